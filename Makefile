@@ -1,0 +1,21 @@
+# The two commands of the README: `make run` and `make test`. Both set up .venv on first use.
+VENV := .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Write a Python function that reverses a singly linked list, with a short explanation.
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	touch $@
+
+.PHONY: setup run test
+setup: $(VENV)/.installed
+
+run: $(VENV)/.installed
+	$(VENV)/bin/ultrafast generate --prompt "$(PROMPT)"
+
+test: $(VENV)/.installed
+	$(VENV)/bin/ultrafast pull smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+	$(PY) -m pytest -q

@@ -1,0 +1,61 @@
+"""Sampling: the filters, the seeded inverse-CDF draw, parameter validation."""
+
+import pytest
+import torch
+
+from ultrafast.sampler import (Sampler, SamplingError, SamplingParams, apply_repetition_penalty, probabilities,
+                               sample_from)
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
+    assert Sampler(SamplingParams(), [0]).sample(logits) == 1
+
+
+def test_filters():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]))
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]))  # 0.5 + 0.3 reaches 0.8
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.81))
+    assert (p > 0).sum() == 3
+    p = probabilities(logits, SamplingParams(temperature=1.0, min_p=0.5))  # keep p >= 0.25
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]))
+    p = probabilities(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(p, torch.softmax(logits / 0.5, -1))
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(50)
+    history = torch.tensor([3, 7, 7, 20])
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(history[None], logits[None].clone())[0]
+    assert torch.allclose(apply_repetition_penalty(logits, history, 1.3), ref)
+
+
+def test_inverse_cdf_draw_follows_the_distribution():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    us = (torch.arange(10000, dtype=torch.float64) + 0.5) / 10000
+    counts = torch.bincount(torch.tensor([sample_from(probs, float(u)) for u in us]), minlength=4)
+    assert counts.tolist() == [1000, 0, 6000, 3000]
+    assert sample_from(probs, 0.999999999) == 3
+
+
+def test_seeded_sampling_is_reproducible():
+    logits = torch.randn(1000)
+
+    def run(seed):
+        s = Sampler(SamplingParams(temperature=1.0, seed=seed), [1, 2])
+        return [s.sample(logits) for _ in range(20)]
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=2),
+                                    dict(top_k=-1), dict(max_tokens=0), dict(repetition_penalty=0),
+                                    dict(stop=[""])])
+def test_invalid_params_are_rejected(kwargs):
+    with pytest.raises(SamplingError):
+        SamplingParams(**kwargs)

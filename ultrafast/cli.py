@@ -1,0 +1,199 @@
+"""The `ultrafast` command line: pull, generate, chat."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .registry import DEFAULT_MODEL, MODELS
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a pulled name ({', '.join(MODELS)}) or a path to a GGUF file or HF folder "
+                        f"(default {DEFAULT_MODEL}; names are pulled on first use)")
+    p.add_argument("--max-context", type=int, default=None, help="KV cache size in tokens (default 4096)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+
+
+def _params(args, max_tokens: int | None = None):
+    from .sampler import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed,
+        max_tokens=max_tokens if max_tokens is not None else args.max_tokens, stop=list(args.stop))
+
+
+def _load_engine(args):
+    from .engine import Engine
+    from .pull import resolve_model
+
+    path = resolve_model(args.model)
+    t0 = time.perf_counter()
+    engine = Engine.from_path(path, max_context=args.max_context, device=args.device)
+    info = engine.describe()
+    print(f"loaded {path.name} in {time.perf_counter() - t0:.1f}s: {info['layers']} layers, "
+          f"weights {info['weight_bytes_held'] / 1e6:.0f} MB held for {info['file_tensor_bytes'] / 1e6:.0f} MB in "
+          f"the file, {info['weight_bytes_per_token'] / 1e6:.0f} MB read per token; KV cache "
+          f"{info['max_context']} tokens = {info['kv_cache_bytes'] / 1e6:.0f} MB; {info['device']}",
+          file=sys.stderr)
+    return engine
+
+
+def _report(res, stream=sys.stderr) -> None:
+    print(f"\n[{res.prompt_tokens} prompt tokens, TTFT {res.ttft_s * 1000:.0f} ms "
+          f"({res.prefill_tokens_per_s:.0f} tok/s prefill); {res.completion_tokens} tokens at "
+          f"{res.decode_tokens_per_s:.1f} tok/s decode, {res.achieved_gb_per_s:.1f} GB/s of weights; "
+          f"finish: {res.finish_reason}]", file=stream)
+
+
+def _stream_to(engine, ids, params, out) -> object:
+    it = engine.stream(ids, params)
+    while True:
+        try:
+            ev = next(it)
+        except StopIteration as done:
+            return done.value
+        if ev.text:
+            out.write(ev.text)
+            out.flush()
+
+
+def cmd_pull(args) -> int:
+    from .pull import pull
+
+    for name in args.names:
+        print(pull(name, force=args.force))
+    return 0
+
+
+def _line_prompt(engine, obj: dict, lineno: int) -> list[int]:
+    if not isinstance(obj, dict):
+        raise ValueError(f"line {lineno}: expected a JSON object")
+    if "messages" in obj:
+        if not isinstance(obj["messages"], list):
+            raise ValueError(f"line {lineno}: 'messages' must be a list")
+        return engine.chat_prompt(obj["messages"])
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise ValueError(f"line {lineno}: 'prompt' must be a string")
+        return engine.raw_prompt(obj["prompt"])
+    raise ValueError(f"line {lineno}: needs 'messages' or 'prompt'")
+
+
+def cmd_generate(args) -> int:
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise ValueError("give exactly one of --prompt and --prompts-file")
+    _params(args)  # validate before the (slow) load
+    engine = _load_engine(args)
+    if args.prompts_file:
+        if not args.json:
+            raise ValueError("--prompts-file needs --json")
+        with open(args.prompts_file, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    ids = _line_prompt(engine, obj, lineno)
+                    res = engine.generate(ids, _params(args, obj.get("max_tokens")))
+                    print(json.dumps(res.to_json()), flush=True)
+                except (ValueError, TypeError) as e:  # one bad line gets an error record, the rest still run
+                    print(json.dumps({"line": lineno, "error": str(e)}), flush=True)
+        return 0
+    if args.raw:
+        ids = engine.raw_prompt(args.prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": args.prompt}]
+        ids = engine.chat_prompt(messages)
+    params = _params(args)
+    if args.json:
+        print(json.dumps(engine.generate(ids, params).to_json()))
+    else:
+        _report(_stream_to(engine, ids, params, sys.stdout))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    _params(args)
+    engine = _load_engine(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat: empty line or Ctrl-D to quit, /reset to forget the conversation", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            res = _stream_to(engine, engine.chat_prompt(messages), _params(args), sys.stdout)
+        except ValueError as e:  # e.g. the conversation outgrew the context: say so and keep chatting
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": res.text})
+        _report(res)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ultrafast", description="Lossless fast LLM inference")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("pull", help="fetch a registered model into the cache")
+    s.add_argument("names", nargs="*", default=[DEFAULT_MODEL], choices=sorted(MODELS), metavar="NAME")
+    s.add_argument("--force", action="store_true", help="fetch again even if cached")
+    s.set_defaults(fn=cmd_pull)
+
+    s = sub.add_parser("generate", help="generate a completion")
+    _model_args(s)
+    s.add_argument("--prompt", help="the user message (or the raw text with --raw)")
+    s.add_argument("--prompts-file", help="JSONL of {'messages': [...]} or {'prompt': '...'}, one answer line each")
+    s.add_argument("--raw", action="store_true", help="no chat template: complete the text as given")
+    s.add_argument("--system", help="a system message (chat mode)")
+    s.add_argument("--json", action="store_true", help="print one JSON record per answer")
+    _sampling_args(s)
+    s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("chat", help="interactive chat, streaming")
+    _model_args(s)
+    s.add_argument("--system", help="a system message")
+    _sampling_args(s)
+    s.set_defaults(fn=cmd_chat)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError, RuntimeError) as e:  # our errors are ValueErrors with a clear message
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The engine: a loaded model, its tokenizer and KV cache, and the generation loop with its measurements."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .kv_cache import KVCache
+from .loader import LoadedModel, load
+from .model import Transformer, build_model
+from .sampler import Sampler, SamplingParams
+from .tokenizer import Tokenizer
+
+DEFAULT_MAX_CONTEXT = 4096
+
+
+class ContextOverflowError(ValueError):
+    pass
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # the generated tokens, without a final EOS
+    text: str
+    prompt_tokens: int
+    completion_tokens: int  # tokens sampled, an EOS that ended the generation included
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    ttft_s: float
+    decode_s: float
+    weight_bytes_per_token: int
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # the first token comes out of the prefill; the decode rate counts the tokens after it
+        n = self.completion_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
+
+    @property
+    def achieved_gb_per_s(self) -> float:
+        return self.decode_tokens_per_s * self.weight_bytes_per_token / 1e9
+
+    def to_json(self) -> dict:
+        return {
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "finish_reason": self.finish_reason,
+            "ttft_s": round(self.ttft_s, 6),
+            "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+            "weight_bytes_per_token": self.weight_bytes_per_token,
+            "achieved_gb_per_s": round(self.achieved_gb_per_s, 3),
+            **self.timings,
+        }
+
+
+@dataclass
+class StreamEvent:
+    token_id: int
+    text: str  # newly completed text (may be empty while a UTF-8 sequence or a possible stop string is pending)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, model: Transformer, *, max_context: int | None = None, device="cpu"):
+        self.loaded, self.model, self.device = loaded, model, torch.device(device)
+        self.config = loaded.config
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.config.context_length)
+        self.cache = KVCache(self.config, self.max_context, device=self.device)
+        self.weight_bytes_per_token = model.weight_bytes_per_token()
+
+    @classmethod
+    def from_path(cls, path: str | Path, *, max_context: int | None = None, device: str | None = None) -> "Engine":
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        loaded = load(path)
+        return cls(loaded, build_model(loaded, device), max_context=max_context, device=device)
+
+    def describe(self) -> dict:
+        c = self.config
+        return {
+            "model": str(self.loaded.path),
+            "arch": c.arch,
+            "layers": c.n_layers,
+            "dim": c.dim,
+            "file_tensor_bytes": self.loaded.file_tensor_bytes,
+            "weight_bytes_held": self.model.weight_bytes_held(),
+            "weight_bytes_per_token": self.weight_bytes_per_token,
+            "max_context": self.max_context,
+            "kv_cache_bytes": self.cache.nbytes,
+            "device": str(self.device),
+        }
+
+    # ---------------------------------------------------------------- prompts
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_bos=False)
+
+    def raw_prompt(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    # ---------------------------------------------------------------- generation
+
+    def _forward(self, tokens: list[int], start_pos: int, all_logits: bool = False) -> torch.Tensor:
+        t = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.model(t, start_pos, self.cache, all_logits=all_logits)
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise ContextOverflowError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_context} tokens "
+                f"(at least one token must be left to generate; see --max-context)")
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
+        """Yield tokens as they are generated; the final GenerationResult is the generator's return value."""
+        self.check_prompt(prompt_ids)
+        sampler = Sampler(params, prompt_ids)
+        eos = set() if params.ignore_eos else self.tokenizer.eos_ids
+        budget = min(params.max_tokens, self.max_context - len(prompt_ids))
+        decoder = self.tokenizer.stream_decoder()
+        out_ids: list[int] = []
+        text, emitted = "", 0  # text decoded so far; how much of it has been yielded
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        finish = "length"
+        t0 = time.perf_counter()
+        logits = self._forward(prompt_ids, 0)[-1]
+        pos = len(prompt_ids)
+        ttft, n_sampled = None, 0
+        while True:
+            tok = sampler.sample(logits)
+            n_sampled += 1
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+                t1 = time.perf_counter()
+            if tok in eos:
+                finish = "stop"
+                break
+            out_ids.append(tok)
+            text += decoder.push(tok)
+            stop_at = _find_stop(text, params.stop, emitted)
+            if stop_at is not None:
+                text, finish = text[:stop_at], "stop"
+                break
+            safe = len(text) - hold if params.stop else len(text)
+            if safe > emitted:
+                yield StreamEvent(tok, text[emitted:safe])
+                emitted = safe
+            else:
+                yield StreamEvent(tok, "")
+            if len(out_ids) >= budget:
+                break
+            logits = self._forward([tok], pos)[-1]
+            pos += 1
+        if finish == "length":
+            text += decoder.flush()
+        if len(text) > emitted:
+            yield StreamEvent(out_ids[-1] if out_ids else -1, text[emitted:])
+        decode_s = time.perf_counter() - t1
+        return GenerationResult(
+            token_ids=out_ids, text=text, prompt_tokens=len(prompt_ids),
+            completion_tokens=n_sampled,
+            finish_reason=finish, ttft_s=ttft, decode_s=decode_s,
+            weight_bytes_per_token=self.weight_bytes_per_token)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        it = self.stream(prompt_ids, params)
+        while True:
+            try:
+                next(it)
+            except StopIteration as done:
+                return done.value
+
+
+def _find_stop(text: str, stops: list[str], emitted: int) -> int | None:
+    """Index where the earliest stop string starts in the not-yet-emitted tail of text, if any."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, emitted - len(s) + 1))
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best

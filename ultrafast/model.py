@@ -1,0 +1,184 @@
+"""The transformer, in plain PyTorch: Llama-family decoder (Llama 2/3, SmolLM2, Qwen2 with QKV bias).
+
+One sequence at a time: `forward(tokens [T], start_pos)` runs T new tokens at positions
+start_pos..start_pos+T-1 against the KV cache and returns their logits. The model knows nothing of
+quantization or devices; packed kernels are applied afterwards as transforms that swap modules
+(`Linear` -> a packed linear, `AttentionCore`/`RMSNorm` -> batch-invariant kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .dequant import dequantize
+from .kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding kept in the file's own type; only the looked-up rows are dequantized."""
+
+    def __init__(self, raw: torch.Tensor, qtype: int, dim: int):
+        super().__init__()
+        self.register_buffer("raw", raw, persistent=False)
+        self.qtype, self.dim = qtype, dim
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.raw[tokens], self.qtype, self.dim)
+
+
+class AttentionCore(nn.Module):
+    """softmax(q k^T * scale) v over the cache, causal, grouped-query. q: [T, H, D]; caches: [Hkv, S, D]."""
+
+    def forward(self, q, k_cache, v_cache, start_pos: int, scale: float) -> torch.Tensor:
+        T, H, D = q.shape
+        end = start_pos + T
+        k = k_cache[:, :end].repeat_interleave(H // k_cache.shape[0], dim=0)
+        v = v_cache[:, :end].repeat_interleave(H // v_cache.shape[0], dim=0)
+        mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start_pos, end, device=q.device)[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+        return out.transpose(0, 1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        self.wq = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=c.qkv_bias)
+        self.wk = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        self.core = AttentionCore()
+        self.scale = c.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start_pos: int):
+        T = x.shape[0]
+        q = self.wq(x).view(T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(T, self.n_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache[:, start_pos:start_pos + T] = k.transpose(0, 1)
+        v_cache[:, start_pos:start_pos + T] = v.transpose(0, 1)
+        out = self.core(q, k_cache, v_cache, start_pos, self.scale)
+        return self.wo(out.reshape(T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(c.dim, c.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(c.dim, c.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(c.ffn_dim, c.dim, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(c.dim, c.norm_eps)
+        self.attention = Attention(c)
+        self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
+        self.feed_forward = FeedForward(c)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start_pos):
+        h = x + self.attention(self.attention_norm(x), cos, sin, k_cache, v_cache, start_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def rope_inv_freq(c: ModelConfig, device=None) -> torch.Tensor:
+    exponents = torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=device).float() / c.head_dim
+    return 1.0 / (c.rope_theta ** exponents)
+
+
+class Transformer(nn.Module):
+    def __init__(self, c: ModelConfig, embedding: QuantEmbedding):
+        super().__init__()
+        self.config = c
+        self.tok_embeddings = embedding
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+        self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(c), persistent=False)
+
+    def rope(self, positions: torch.Tensor):
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D], broadcast over heads
+        return emb.cos(), emb.sin()
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
+        """tokens: [T] int64 at positions start_pos.. -> logits [T, vocab] (all_logits) or [1, vocab] (last)."""
+        T = tokens.shape[0]
+        cos, sin = self.rope(torch.arange(start_pos, start_pos + T, device=tokens.device))
+        x = self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], start_pos)
+        if not all_logits:
+            x = x[-1:]
+        return self.output(self.norm(x)).float()
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads (every linear once, one embedding row, the norms)."""
+        total = 0
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                total += sum(t.numel() * t.element_size() for t in (m.weight, m.bias) if t is not None)
+            elif hasattr(m, "nbytes_per_step"):
+                total += m.nbytes_per_step()
+            elif isinstance(m, RMSNorm):
+                total += m.weight.numel() * m.weight.element_size()
+        emb = self.tok_embeddings
+        total += emb.raw.shape[1] if hasattr(emb, "raw") else 0
+        return total
+
+    def weight_bytes_held(self) -> int:
+        seen, total = set(), 0
+        for t in list(self.parameters()) + list(self.buffers()):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+def build_model(loaded, device: str | torch.device = "cpu") -> Transformer:
+    """Reference build: every linear dequantized to fp32 `nn.Linear` (the packed transform replaces them)."""
+    c, tensors = loaded.config, loaded.tensors
+    emb = tensors["tok_embeddings.weight"]
+    with torch.device("meta"):
+        model = Transformer(c, QuantEmbedding(torch.empty(0, dtype=torch.uint8), emb.qtype, c.dim))
+    model.tok_embeddings = QuantEmbedding(emb.raw, emb.qtype, c.dim)
+    model.inv_freq = rope_inv_freq(c, "cpu")
+    state = {}
+    for name, qt in tensors.items():
+        if name == "tok_embeddings.weight":
+            continue
+        state[name] = qt.dequantize()
+    if c.tie_embeddings:
+        state["output.weight"] = emb.dequantize()
+    model.load_state_dict(state, strict=False, assign=True)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{loaded.path}: no weights for {missing[:5]}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.to(device).eval()

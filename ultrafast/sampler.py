@@ -1,0 +1,122 @@
+"""Sampling: from one position's logits to a token, the same rule in every tier.
+
+Greedy is argmax. Otherwise the logits pass through repetition penalty, temperature, top-k, top-p and
+min-p into a distribution, and one uniform number u from the request's seeded generator picks the
+token by inverse CDF. Exactly one u is drawn per emitted token, so a generation is a function of
+(model, prompt, params, seed): the ultrafast tier, which verifies several positions per pass, draws the
+same u for the same position and therefore emits the same tokens as the standard tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingError(ValueError):
+    pass
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise SamplingError(msg)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> torch.Generator:
+        g = torch.Generator()
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL-style penalty on every token already seen (prompt and output), as Hugging Face applies it."""
+    if penalty == 1.0 or history.numel() == 0:
+        return logits
+    logits = logits.clone()
+    seen = logits[history]
+    logits[history] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits
+
+
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits [V] (already penalised) -> the sampling distribution [V] (float32, sums to 1)."""
+    logits = logits.float() / p.temperature
+    if p.top_k and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        drop = (cum - sorted_p) >= p.top_p  # keep the smallest prefix whose mass reaches top_p
+        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def sample_from(probs: torch.Tensor, u: float) -> int:
+    """Inverse CDF: the first token whose cumulative probability exceeds u (u in [0, 1))."""
+    cum = torch.cumsum(probs, dim=-1)
+    idx = int(torch.searchsorted(cum, torch.tensor([u * float(cum[-1])], dtype=cum.dtype), right=True))
+    idx = min(idx, probs.numel() - 1)
+    while probs[idx] == 0:  # never land on a token that was filtered out (rounding at the edges)
+        idx -= 1
+    return idx
+
+
+class Sampler:
+    """Per-request sampling state: the params, the seeded generator, the token history."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int]):
+        self.params = params
+        self.gen = None if params.greedy else params.generator()
+        self.history = list(prompt_ids)
+
+    def distribution(self, logits: torch.Tensor, history: list[int] | None = None) -> torch.Tensor:
+        hist = self.history if history is None else history
+        logits = apply_repetition_penalty(logits, torch.tensor(hist, dtype=torch.long), self.params.repetition_penalty)
+        return probabilities(logits, self.params)
+
+    def next_uniform(self) -> float:
+        return float(torch.rand(1, generator=self.gen, dtype=torch.float64))
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """logits [V] for the next position -> token id; records it in the history."""
+        if self.params.greedy:
+            logits = apply_repetition_penalty(logits, torch.tensor(self.history, dtype=torch.long),
+                                              self.params.repetition_penalty)
+            tok = int(torch.argmax(logits))
+        else:
+            tok = sample_from(self.distribution(logits), self.next_uniform())
+        self.history.append(tok)
+        return tok
