@@ -28,6 +28,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_MODEL}; names are pulled on first use)")
     p.add_argument("--max-context", type=int, default=None, help="KV cache size in tokens (default 4096)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--tier", choices=["standard", "ultrafast"], default="standard",
+                   help="standard: plain decoding; ultrafast: lossless speculative decoding (same output)")
+    p.add_argument("--drafters", default=None,
+                   help="ultrafast drafters, comma-separated from prompt_lookup,suffix,draft_model "
+                        "(default: suffix,prompt_lookup, plus draft_model with --draft-model)")
+    p.add_argument("--draft-model", default=None, help="a smaller model sharing the tokenizer (name or path)")
 
 
 def _params(args, max_tokens: int | None = None):
@@ -46,6 +52,9 @@ def _load_engine(args):
     path = resolve_model(args.model)
     t0 = time.perf_counter()
     engine = Engine.from_path(path, max_context=args.max_context, device=args.device)
+    if args.draft_model:
+        engine.attach_draft_model(Engine.from_path(resolve_model(args.draft_model), max_context=engine.max_context,
+                                                   device=args.device))
     info = engine.describe()
     print(f"loaded {path.name} in {time.perf_counter() - t0:.1f}s: {info['layers']} layers, "
           f"weights {info['weight_bytes_held'] / 1e6:.0f} MB held for {info['file_tensor_bytes'] / 1e6:.0f} MB in "
@@ -59,11 +68,17 @@ def _report(res, stream=sys.stderr) -> None:
     print(f"\n[{res.prompt_tokens} prompt tokens, TTFT {res.ttft_s * 1000:.0f} ms "
           f"({res.prefill_tokens_per_s:.0f} tok/s prefill); {res.completion_tokens} tokens at "
           f"{res.decode_tokens_per_s:.1f} tok/s decode, {res.achieved_gb_per_s:.1f} GB/s of weights; "
-          f"finish: {res.finish_reason}]", file=stream)
+          f"finish: {res.finish_reason}" + (f"; tier {res.tier}, tau {res.spec['tau']:.2f}" if res.spec else "") + "]",
+          file=stream)
 
 
-def _stream_to(engine, ids, params, out) -> object:
-    it = engine.stream(ids, params)
+def _tier(args) -> dict:
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()] if args.drafters else None
+    return {"tier": args.tier, "drafters": drafters}
+
+
+def _stream_to(engine, ids, params, out, tier: dict) -> object:
+    it = engine.stream(ids, params, **tier)
     while True:
         try:
             ev = next(it)
@@ -111,7 +126,7 @@ def cmd_generate(args) -> int:
                 try:
                     obj = json.loads(line)
                     ids = _line_prompt(engine, obj, lineno)
-                    res = engine.generate(ids, _params(args, obj.get("max_tokens")))
+                    res = engine.generate(ids, _params(args, obj.get("max_tokens")), **_tier(args))
                     print(json.dumps(res.to_json()), flush=True)
                 except (ValueError, TypeError) as e:  # one bad line gets an error record, the rest still run
                     print(json.dumps({"line": lineno, "error": str(e)}), flush=True)
@@ -124,9 +139,9 @@ def cmd_generate(args) -> int:
         ids = engine.chat_prompt(messages)
     params = _params(args)
     if args.json:
-        print(json.dumps(engine.generate(ids, params).to_json()))
+        print(json.dumps(engine.generate(ids, params, **_tier(args)).to_json()))
     else:
-        _report(_stream_to(engine, ids, params, sys.stdout))
+        _report(_stream_to(engine, ids, params, sys.stdout, _tier(args)))
     return 0
 
 
@@ -147,7 +162,7 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         try:
-            res = _stream_to(engine, engine.chat_prompt(messages), _params(args), sys.stdout)
+            res = _stream_to(engine, engine.chat_prompt(messages), _params(args), sys.stdout, _tier(args))
         except ValueError as e:  # e.g. the conversation outgrew the context: say so and keep chatting
             print(f"error: {e}", file=sys.stderr)
             messages.pop()
@@ -181,7 +196,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--system", help="a system message")
     _sampling_args(s)
     s.set_defaults(fn=cmd_chat)
+    s = sub.add_parser("bench", help="batch-1 decode speed against the memory roofline and llama.cpp")
+    s.add_argument("--model", default=DEFAULT_MODEL)
+    s.add_argument("--prompt-tokens", type=int, default=128)
+    s.add_argument("--gen-tokens", type=int, default=256)
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--max-k", type=int, default=16, help="largest k for r(k)")
+    s.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if installed")
+    s.add_argument("--json", help="also write the figures as JSON to this file ('-': stdout)")
+    s.set_defaults(fn=cmd_bench)
     return p
+
+
+def cmd_bench(args) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,15 @@ from typing import Iterator
 
 import torch
 
+from . import kernels
 from .kv_cache import KVCache
 from .loader import LoadedModel, load
 from .model import Transformer, build_model
+from .packed import apply_packed
+from .drafters import build_drafters
+from .drafters.suffix import SuffixCache
 from .sampler import Sampler, SamplingParams
+from .speculative import PlainStepper, SpeculativeStepper, measure_r
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CONTEXT = 4096
@@ -32,12 +37,13 @@ class GenerationResult:
     ttft_s: float
     decode_s: float
     weight_bytes_per_token: int
-    timings: dict = field(default_factory=dict)
+    tier: str = "standard"
+    spec: dict = field(default_factory=dict)  # tau, verify passes, acceptance per drafter
 
     @property
     def decode_tokens_per_s(self) -> float:
         # the first token comes out of the prefill; the decode rate counts the tokens after it
-        n = self.completion_tokens - 1
+        n = len(self.token_ids) - 1
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
     @property
@@ -60,7 +66,8 @@ class GenerationResult:
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
             "weight_bytes_per_token": self.weight_bytes_per_token,
             "achieved_gb_per_s": round(self.achieved_gb_per_s, 3),
-            **self.timings,
+            "tier": self.tier,
+            **self.spec,
         }
 
 
@@ -78,12 +85,30 @@ class Engine:
         self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.config.context_length)
         self.cache = KVCache(self.config, self.max_context, device=self.device)
         self.weight_bytes_per_token = model.weight_bytes_per_token()
+        # the ultrafast tier's state, kept per engine (never module-global)
+        self.r_table: list[float] | None = None  # measured r(k), on first ultrafast use
+        self.suffix_cache = SuffixCache()  # earlier requests' tokens, for suffix decoding
+        self.draft_engine: "Engine | None" = None
+        self.default_drafters = ["suffix", "prompt_lookup"]
+
+    def attach_draft_model(self, draft: "Engine") -> None:
+        if draft.tokenizer.vocab_size > self.config.vocab_size + 1024 or \
+                draft.tokenizer.encode("def f(x):\n    return x") != self.tokenizer.encode("def f(x):\n    return x"):
+            raise ValueError("the draft model must share the target's tokenizer")
+        self.draft_engine = draft
+        self.default_drafters = ["suffix", "prompt_lookup", "draft_model"]
 
     @classmethod
-    def from_path(cls, path: str | Path, *, max_context: int | None = None, device: str | None = None) -> "Engine":
+    def from_path(cls, path: str | Path, *, max_context: int | None = None, device: str | None = None,
+                  packed: bool | None = None) -> "Engine":
+        """packed: keep weights packed and use the batch-invariant CPU kernels (default on CPU when they build);
+        False is the reference path (weights dequantized to fp32 `nn.Linear`, PyTorch ops)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         loaded = load(path)
-        return cls(loaded, build_model(loaded, device), max_context=max_context, device=device)
+        if packed is None:
+            packed = device == "cpu" and kernels.available()
+        transform = apply_packed if packed else None
+        return cls(loaded, build_model(loaded, device, transform), max_context=max_context, device=device)
 
     def describe(self) -> dict:
         c = self.config
@@ -98,7 +123,15 @@ class Engine:
             "max_context": self.max_context,
             "kv_cache_bytes": self.cache.nbytes,
             "device": str(self.device),
+            "kernels": self.kernels_in_use(),
         }
+
+    def kernels_in_use(self) -> str:
+        from .packed import PackedLinear
+
+        if isinstance(self.model.layers[0].feed_forward.w1, PackedLinear):
+            return "packed, " + ("avx512" if kernels.avx512_active() else "scalar")
+        return "reference (fp32 nn.Linear)"
 
     # ---------------------------------------------------------------- prompts
 
@@ -126,9 +159,23 @@ class Engine:
         if bad:
             raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
+    def stepper(self, tier: str = "standard", drafters: list[str] | None = None):
+        """The decoding loop's step for a tier: plain, or speculative with the given drafters."""
+        if tier == "standard":
+            return PlainStepper(self)
+        if tier != "ultrafast":
+            raise ValueError(f"unknown tier {tier!r}: standard or ultrafast")
+        if self.r_table is None:
+            self.r_table = measure_r(self)
+        names = drafters or self.default_drafters
+        objs = build_drafters(names, suffix_cache=self.suffix_cache, draft_engine=self.draft_engine)
+        return SpeculativeStepper(self, objs, self.r_table)
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams, *, tier: str = "standard",
+               drafters: list[str] | None = None) -> Iterator[StreamEvent]:
         """Yield tokens as they are generated; the final GenerationResult is the generator's return value."""
         self.check_prompt(prompt_ids)
+        stepper = self.stepper(tier, drafters)
         sampler = Sampler(params, prompt_ids)
         eos = set() if params.ignore_eos else self.tokenizer.eos_ids
         budget = min(params.max_tokens, self.max_context - len(prompt_ids))
@@ -136,49 +183,46 @@ class Engine:
         out_ids: list[int] = []
         text, emitted = "", 0  # text decoded so far; how much of it has been yielded
         hold = max((len(s) for s in params.stop), default=1) - 1
-        finish = "length"
+        finish = None
         t0 = time.perf_counter()
-        logits = self._forward(prompt_ids, 0)[-1]
-        pos = len(prompt_ids)
-        ttft, n_sampled = None, 0
-        while True:
-            tok = sampler.sample(logits)
-            n_sampled += 1
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-                t1 = time.perf_counter()
-            if tok in eos:
-                finish = "stop"
-                break
-            out_ids.append(tok)
-            text += decoder.push(tok)
-            stop_at = _find_stop(text, params.stop, emitted)
-            if stop_at is not None:
-                text, finish = text[:stop_at], "stop"
-                break
-            safe = len(text) - hold if params.stop else len(text)
-            if safe > emitted:
-                yield StreamEvent(tok, text[emitted:safe])
-                emitted = safe
-            else:
-                yield StreamEvent(tok, "")
-            if len(out_ids) >= budget:
-                break
-            logits = self._forward([tok], pos)[-1]
-            pos += 1
+        stepper.begin(prompt_ids)
+        new = [sampler.sample(self._forward(prompt_ids, 0)[-1])]
+        ttft = time.perf_counter() - t0
+        pos, n_sampled = len(prompt_ids), 0
+        while finish is None:
+            for tok in new:
+                n_sampled += 1
+                if tok in eos:
+                    finish = "stop"
+                    break
+                out_ids.append(tok)
+                text += decoder.push(tok)
+                stop_at = _find_stop(text, params.stop, emitted)
+                if stop_at is not None:
+                    text, finish = text[:stop_at], "stop"
+                    break
+                safe = len(text) - hold if params.stop else len(text)
+                yield StreamEvent(tok, text[emitted:safe] if safe > emitted else "")
+                emitted = max(emitted, safe)
+                if len(out_ids) >= budget:
+                    finish = "length"
+                    break
+            if finish is None:
+                new = stepper.step(out_ids[-1], pos, sampler, budget - len(out_ids))
+                pos += len(new)
+        stepper.end(list(prompt_ids) + out_ids)
         if finish == "length":
             text += decoder.flush()
         if len(text) > emitted:
             yield StreamEvent(out_ids[-1] if out_ids else -1, text[emitted:])
-        decode_s = time.perf_counter() - t1
+        decode_s = time.perf_counter() - t0 - ttft
         return GenerationResult(
-            token_ids=out_ids, text=text, prompt_tokens=len(prompt_ids),
-            completion_tokens=n_sampled,
+            token_ids=out_ids, text=text, prompt_tokens=len(prompt_ids), completion_tokens=n_sampled,
             finish_reason=finish, ttft_s=ttft, decode_s=decode_s,
-            weight_bytes_per_token=self.weight_bytes_per_token)
+            weight_bytes_per_token=self.weight_bytes_per_token, tier=tier, spec=stepper.stats.to_json())
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        it = self.stream(prompt_ids, params)
+    def generate(self, prompt_ids: list[int], params: SamplingParams, **tier) -> GenerationResult:
+        it = self.stream(prompt_ids, params, **tier)
         while True:
             try:
                 next(it)

@@ -105,9 +105,13 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def rope_inv_freq(c: ModelConfig, device=None) -> torch.Tensor:
+def rope_table(c: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [context_length, head_dim] of RoPE (rotate-half layout), computed as transformers does."""
     exponents = torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=device).float() / c.head_dim
-    return 1.0 / (c.rope_theta ** exponents)
+    inv_freq = 1.0 / (c.rope_theta ** exponents)
+    freqs = torch.arange(c.context_length, device=device).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
 
 
 class Transformer(nn.Module):
@@ -118,18 +122,16 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(c), persistent=False)
-
-    def rope(self, positions: torch.Tensor):
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D], broadcast over heads
-        return emb.cos(), emb.sin()
+        cos, sin = rope_table(c)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """tokens: [T] int64 at positions start_pos.. -> logits [T, vocab] (all_logits) or [1, vocab] (last)."""
         T = tokens.shape[0]
-        cos, sin = self.rope(torch.arange(start_pos, start_pos + T, device=tokens.device))
+        # [T, 1, D], broadcast over heads; a table, so a position's values never depend on T
+        cos, sin = self.rope_cos[start_pos:start_pos + T, None], self.rope_sin[start_pos:start_pos + T, None]
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], start_pos)
@@ -160,25 +162,25 @@ class Transformer(nn.Module):
         return total
 
 
-def build_model(loaded, device: str | torch.device = "cpu") -> Transformer:
-    """Reference build: every linear dequantized to fp32 `nn.Linear` (the packed transform replaces them)."""
+def build_model(loaded, device: str | torch.device = "cpu", transform=None) -> Transformer:
+    """Build on the meta device, let `transform(model, loaded)` swap modules (e.g. packed kernels), then
+    materialise whatever is still empty from the file: the reference build dequantizes to fp32 `nn.Linear`."""
     c, tensors = loaded.config, loaded.tensors
     emb = tensors["tok_embeddings.weight"]
     with torch.device("meta"):
         model = Transformer(c, QuantEmbedding(torch.empty(0, dtype=torch.uint8), emb.qtype, c.dim))
     model.tok_embeddings = QuantEmbedding(emb.raw, emb.qtype, c.dim)
-    model.inv_freq = rope_inv_freq(c, "cpu")
+    model.rope_cos, model.rope_sin = rope_table(c, "cpu")
+    if transform is not None:
+        transform(model, loaded)
     state = {}
-    for name, qt in tensors.items():
-        if name == "tok_embeddings.weight":
-            continue
-        state[name] = qt.dequantize()
-    if c.tie_embeddings:
-        state["output.weight"] = emb.dequantize()
+    for name, p in list(model.named_parameters()):
+        if p.is_meta:
+            key = "tok_embeddings.weight" if name == "output.weight" and c.tie_embeddings else name
+            if key not in tensors:
+                raise ValueError(f"{loaded.path}: no weights for {name}")
+            state[name] = tensors[key].dequantize()
     model.load_state_dict(state, strict=False, assign=True)
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise ValueError(f"{loaded.path}: no weights for {missing[:5]}")
     for p in model.parameters():
         p.requires_grad_(False)
     return model.to(device).eval()

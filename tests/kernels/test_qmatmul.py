@@ -1,0 +1,395 @@
+"""Tests for ultrafast.kernels: packed-weight matmul, RMSNorm and attention.
+
+Every GGUF block layout is checked against gguf.quants.dequantize (the reference for the weights' values),
+and every kernel is checked for batch invariance: a k-row call must be bit-identical to k one-row calls,
+and to itself under a different thread count. Both the AVX-512 path (when the CPU has it) and the portable
+scalar path are exercised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.cpp_extension import is_ninja_available
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+import ultrafast.kernels as uk  # noqa: E402
+
+if shutil.which(os.environ.get("CXX", "c++")) is None or not is_ninja_available():  # pragma: no cover
+    pytest.skip("no C++ compiler / ninja to build the ultrafast kernels", allow_module_level=True)
+uk.load()  # a build error in the kernels fails loudly here instead of skipping
+
+ALL_TYPES = [uk.F32, uk.F16, uk.BF16, uk.Q4_0, uk.Q4_1, uk.Q5_0, uk.Q8_0, uk.Q4_K, uk.Q6_K]
+NAMES = {uk.F32: "F32", uk.F16: "F16", uk.BF16: "BF16", uk.Q4_0: "Q4_0", uk.Q4_1: "Q4_1", uk.Q5_0: "Q5_0",
+         uk.Q8_0: "Q8_0", uk.Q4_K: "Q4_K", uk.Q6_K: "Q6_K"}
+# K values per type: several kernel blocks, partial kernel blocks (Q4_0/Q4_1 group 4 GGUF blocks; the float
+# types handle any K) and, for the larger ones, several K panels.
+K_VALUES = {
+    uk.F32: [16, 40, 576, 1100], uk.F16: [8, 40, 576, 1100], uk.BF16: [24, 40, 576, 1100],
+    uk.Q4_0: [32, 96, 544, 576, 608, 4224], uk.Q4_1: [32, 96, 544, 576, 608, 4224],
+    uk.Q5_0: [32, 96, 576, 1088], uk.Q8_0: [32, 96, 576, 1088],
+    uk.Q4_K: [256, 1536, 4608], uk.Q6_K: [256, 1536, 4608],
+}
+# Agreement with x @ dequant(W).T, relative to sum_i |x_i| * |w_i| per output (fp32 sums in another order).
+RTOL = 1e-5
+
+
+def _f16_bytes(rng, shape, lo, hi):
+    return rng.uniform(lo, hi, size=shape).astype(np.float16).view(np.uint8).reshape(shape + (2,))
+
+
+def random_weight(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF bytes [n, row_bytes] of a random weight: random block bytes with sane fp16 scales."""
+    rng = np.random.default_rng(seed)
+    if qtype == uk.F32:
+        return rng.standard_normal((n, k)).astype(np.float32).view(np.uint8)
+    if qtype == uk.F16:
+        return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    if qtype == uk.BF16:
+        f = rng.standard_normal((n, k)).astype(np.float32)
+        return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    blk, nbytes = uk.block_info(qtype)
+    nb = k // blk
+    raw = rng.integers(0, 256, size=(n, nb, nbytes), dtype=np.uint8)
+    s = (n, nb)
+    if qtype in (uk.Q4_0, uk.Q5_0, uk.Q8_0):
+        raw[..., 0:2] = _f16_bytes(rng, s, -0.05, 0.05)
+    elif qtype == uk.Q4_1:
+        raw[..., 0:2] = _f16_bytes(rng, s, 0.0, 0.05)
+        raw[..., 2:4] = _f16_bytes(rng, s, -0.4, 0.0)
+    elif qtype == uk.Q4_K:
+        raw[..., 0:2] = _f16_bytes(rng, s, -0.003, 0.003)
+        raw[..., 2:4] = _f16_bytes(rng, s, 0.0, 0.003)
+    elif qtype == uk.Q6_K:
+        raw[..., 208:210] = _f16_bytes(rng, s, -0.003, 0.003)
+    return raw.reshape(n, nb * nbytes)
+
+
+def dequant(raw: np.ndarray, qtype: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(dequantize(raw, qtype), dtype=np.float32).reshape(raw.shape[0], k))
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+PATHS = ["avx512", "scalar"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    if request.param == "avx512" and not uk.load().avx512_supported():
+        pytest.skip("CPU without AVX-512")
+    uk.set_force_scalar(request.param == "scalar")
+    assert uk.avx512_active() == (request.param == "avx512")
+    yield request.param
+    uk.set_force_scalar(False)
+
+
+def _check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol: float = RTOL) -> None:
+    ref = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    err = (y.double() - ref).abs()
+    bad = err > rtol * scale + 1e-30
+    assert not bad.any(), f"max rel err {(err / scale.clamp_min(1e-30)).max().item():.3g}"
+    # and the plain fp32 reference, as the engine would compute it
+    ref32 = x @ w.T
+    assert ((y - ref32).abs().double() <= 2 * rtol * scale + 1e-30).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# qmatmul
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: NAMES[t])
+def test_block_layouts_match_gguf(path, qtype):
+    n = 37  # not a multiple of the kernel's row group
+    ks = K_VALUES[qtype] if path == "avx512" else K_VALUES[qtype][:3]
+    for i, k in enumerate(ks):
+        raw = random_weight(qtype, n, k, seed=i)
+        w = dequant(raw, qtype, k)
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(i))
+        y = uk.qmatmul(x, torch.from_numpy(raw), qtype, k)
+        assert y.shape == (5, n) and y.dtype == torch.float32
+        _check_close(y, x, w)
+
+
+@pytest.mark.parametrize("qtype", [uk.Q4_0, uk.Q4_1, uk.Q5_0, uk.Q8_0], ids=lambda t: NAMES[t])
+def test_gguf_quantized_weights(path, qtype):
+    # weights produced by gguf's own quantizer (realistic scales) for the types it supports
+    k, n = 576, 24
+    wf = np.random.default_rng(3).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = np.ascontiguousarray(quantize(wf, qtype))
+    assert raw.shape == (n, uk.row_bytes(qtype, k))
+    w = dequant(raw, qtype, k)
+    x = torch.randn(3, k)
+    _check_close(uk.qmatmul(x, torch.from_numpy(raw), qtype, k), x, w)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: NAMES[t])
+def test_qmatmul_batch_invariant(path, qtype):
+    k_in = K_VALUES[qtype][-1] if path == "avx512" else K_VALUES[qtype][1]
+    n = 35 if path == "avx512" else 19
+    raw = torch.from_numpy(random_weight(qtype, n, k_in, seed=7))
+    x = torch.randn(16, k_in, generator=torch.Generator().manual_seed(1))
+    singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, qtype, k_in) for i in range(16)])
+    for k in (1, 2, 3, 4, 5, 8, 16):
+        yk = uk.qmatmul(x[:k], raw, qtype, k_in)
+        assert torch.equal(yk, singles[:k]), f"k={k}"
+    # a row's result does not depend on its position in the block or on its neighbours
+    yk = uk.qmatmul(x[5:12], raw, qtype, k_in)
+    assert torch.equal(yk, singles[5:12])
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(uk.qmatmul(x[perm], raw, qtype, k_in), singles[perm])
+    # and not on the thread count
+    for k in (1, 16):
+        with num_threads(1):
+            y1 = uk.qmatmul(x[:k], raw, qtype, k_in)
+        with num_threads(2):
+            y2 = uk.qmatmul(x[:k], raw, qtype, k_in)
+        assert torch.equal(y1, y2) and torch.equal(y1, singles[:k])
+
+
+@pytest.mark.parametrize("qtype", [uk.Q4_K, uk.Q6_K, uk.Q4_1, uk.Q8_0], ids=lambda t: NAMES[t])
+def test_qmatmul_long_blocks(path, qtype):
+    # more rows than one register tile and one row chunk (k=37), K over several panels
+    k_in = {uk.Q4_K: 2560, uk.Q6_K: 2560, uk.Q4_1: 1120, uk.Q8_0: 1120}[qtype]
+    raw = torch.from_numpy(random_weight(qtype, 21, k_in, seed=3))
+    x = torch.randn(37, k_in, generator=torch.Generator().manual_seed(4))
+    y = uk.qmatmul(x, raw, qtype, k_in)
+    singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, qtype, k_in) for i in range(37)])
+    assert torch.equal(y, singles)
+    _check_close(y, x, dequant(raw.numpy(), qtype, k_in))
+
+
+def test_qmatmul_many_rows_thread_split(path):
+    # enough rows that both threads get work, with a row count that is not a multiple of any tile size
+    qtype, k_in, n = uk.Q4_K, 512, 16 * 45 + 5
+    raw = torch.from_numpy(random_weight(qtype, n, k_in, seed=11))
+    x = torch.randn(3, k_in)
+    with num_threads(1):
+        y1 = uk.qmatmul(x, raw, qtype, k_in)
+    with num_threads(2):
+        y2 = uk.qmatmul(x, raw, qtype, k_in)
+    assert torch.equal(y1, y2)
+    _check_close(y2, x, dequant(raw.numpy(), qtype, k_in))
+
+
+def test_qmatmul_concurrent_callers():
+    # calls release the GIL and keep per-thread scratch: concurrent callers get the same bits
+    import threading
+
+    raw = torch.from_numpy(random_weight(uk.Q4_K, 64, 1536, seed=8))
+    xs = [torch.randn(3, 1536, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    ref = [uk.qmatmul(x, raw, uk.Q4_K, 1536) for x in xs]
+    bad = []
+
+    def work():
+        for _ in range(10):
+            for x, r in zip(xs, ref):
+                if not torch.equal(uk.qmatmul(x, raw, uk.Q4_K, 1536), r):
+                    bad.append(1)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+
+
+def test_qmatmul_1d_and_strided_inputs():
+    qtype, k_in, n = uk.Q8_0, 64, 9
+    raw = torch.from_numpy(random_weight(qtype, n, k_in))
+    x = torch.randn(4, 2 * k_in)[:, ::2]  # non-contiguous x is copied
+    y = uk.qmatmul(x, raw, qtype, k_in)
+    assert torch.equal(y, uk.qmatmul(x.contiguous(), raw, qtype, k_in))
+    y1 = uk.qmatmul(x[0].contiguous(), raw, qtype, k_in)
+    assert y1.shape == (n,) and torch.equal(y1, y[0])
+    y3 = uk.qmatmul(x.reshape(2, 2, k_in), raw, qtype, k_in)  # leading dims are rows
+    assert y3.shape == (2, 2, n) and torch.equal(y3.reshape(4, n), y)
+    # rows of w may be a row slice of a bigger buffer (e.g. a fused QKV tensor)
+    big = torch.from_numpy(random_weight(qtype, 3 * n, k_in, seed=5))
+    part = big[n:2 * n]
+    assert torch.equal(uk.qmatmul(x, part, qtype, k_in), uk.qmatmul(x, part.clone(), qtype, k_in))
+
+
+def test_qmatmul_zero_rows():
+    raw = torch.from_numpy(random_weight(uk.Q8_0, 4, 64))
+    assert uk.qmatmul(torch.empty(0, 64), raw, uk.Q8_0, 64).shape == (0, 4)
+
+
+def test_qmatmul_input_errors():
+    raw = torch.from_numpy(random_weight(uk.Q4_K, 8, 256))
+    x = torch.randn(2, 256)
+    with pytest.raises(ValueError, match="float32"):
+        uk.qmatmul(x.double(), raw, uk.Q4_K, 256)
+    with pytest.raises(ValueError, match="uint8"):
+        uk.qmatmul(x, raw.to(torch.int8), uk.Q4_K, 256)
+    with pytest.raises(ValueError, match="features"):
+        uk.qmatmul(torch.randn(2, 255), raw, uk.Q4_K, 256)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        uk.qmatmul(torch.randn(2, 250), raw, uk.Q4_K, 250)
+    with pytest.raises(ValueError, match="bytes per row"):
+        uk.qmatmul(torch.randn(2, 512), raw, uk.Q4_K, 512)
+    with pytest.raises(ValueError, match="unsupported GGML type"):
+        uk.qmatmul(x, raw, 7, 256)  # Q5_1
+    with pytest.raises(ValueError, match="2-D"):
+        uk.qmatmul(x, raw[None], uk.Q4_K, 256)
+    with pytest.raises(ValueError, match="torch.Tensor"):
+        uk.qmatmul(x.numpy(), raw, uk.Q4_K, 256)
+    with pytest.raises(ValueError, match="bytes per row"):
+        uk.qmatmul(x, raw[:, :100].contiguous(), uk.Q4_K, 256)
+    with pytest.raises(ValueError, match="float32"):
+        uk.qmatmul(x.half(), raw, uk.Q4_K, 256)
+    with pytest.raises(ValueError, match="in_features must be positive"):
+        uk.qmatmul(torch.empty(2, 0), raw, uk.Q4_K, 0)
+
+
+def test_block_info_and_row_bytes():
+    for t in ALL_TYPES:
+        blk, nbytes = uk.block_info(t)
+        assert (blk, nbytes) == uk.load().block_info(t)
+        if blk > 1:
+            assert (blk, nbytes) == tuple(gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t)])
+    assert uk.row_bytes(uk.Q4_K, 1536) == 6 * 144
+    assert uk.available()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rmsnorm
+
+def test_rmsnorm(path):
+    d, eps = 1536, 1e-6
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, d, generator=g) * 3
+    w = torch.randn(d, generator=g)
+    y = uk.rmsnorm(x, w, eps)
+    ref = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps) * w.double())
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
+    singles = torch.cat([uk.rmsnorm(x[i:i + 1], w, eps) for i in range(16)])
+    for k in (1, 2, 3, 4, 8, 16):
+        assert torch.equal(uk.rmsnorm(x[:k], w, eps), singles[:k])
+    with num_threads(1):
+        y1 = uk.rmsnorm(x, w, eps)
+    assert torch.equal(y1, y)
+    assert torch.equal(uk.rmsnorm(x[3], w, eps), singles[3])
+    assert torch.equal(uk.rmsnorm(x.view(4, 4, d), w, eps).view(16, d), y)
+    # odd width (not a multiple of the 16 lanes)
+    x2, w2 = torch.randn(3, 577), torch.randn(577)
+    ref2 = x2.double() * torch.rsqrt(x2.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w2.double()
+    torch.testing.assert_close(uk.rmsnorm(x2, w2, 1e-5).double(), ref2, rtol=1e-5, atol=1e-6)
+
+
+def test_rmsnorm_errors():
+    with pytest.raises(ValueError, match="float32"):
+        uk.rmsnorm(torch.randn(2, 8).double(), torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        uk.rmsnorm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(ValueError, match="weight must be 1-D"):
+        uk.rmsnorm(torch.randn(2, 8), torch.randn(2, 8), 1e-6)
+    with pytest.raises(ValueError, match="torch.Tensor"):
+        uk.rmsnorm([1.0, 2.0], torch.randn(2), 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# attention
+
+def ref_attention(q, kc, vc, start_pos, scale):
+    k, h, hd = q.shape
+    group = h // kc.shape[0]
+    out = torch.empty(k, h, hd, dtype=torch.float64)
+    for i in range(k):
+        n = start_pos + i + 1
+        for j in range(h):
+            kv = j // group
+            s = (kc[kv, :n].double() @ q[i, j].double()) * scale
+            out[i, j] = torch.softmax(s, 0) @ vc[kv, :n].double()
+    return out
+
+
+@pytest.mark.parametrize("hd,heads,kv_heads", [(64, 9, 3), (128, 12, 2), (48, 4, 4), (256, 14, 2), (40, 6, 2)])
+def test_attention(path, hd, heads, kv_heads):
+    g = torch.Generator().manual_seed(hd)
+    max_len, start = 96, 37
+    kc = torch.randn(kv_heads, max_len, hd, generator=g)
+    vc = torch.randn(kv_heads, max_len, hd, generator=g)
+    q = torch.randn(16, heads, hd, generator=g) * 2
+    scale = hd ** -0.5
+    out = uk.attention(q, kc, vc, start, scale)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_attention(q, kc, vc, start, scale), rtol=1e-5, atol=2e-6)
+    # query i alone at position start+i gives the same bits as inside any block
+    singles = torch.cat([uk.attention(q[i:i + 1], kc, vc, start + i, scale) for i in range(16)])
+    assert torch.equal(out, singles)
+    for k in (1, 2, 3, 4, 8):
+        for s0 in (0, 5):
+            blk = uk.attention(q[s0:s0 + k], kc, vc, start + s0, scale)
+            assert torch.equal(blk, singles[s0:s0 + k]), (k, s0)
+    with num_threads(1):
+        assert torch.equal(uk.attention(q, kc, vc, start, scale), out)
+    # from position 0 (a single key) and a long context (several 16-key chunks + tail)
+    out0 = uk.attention(q[:3], kc, vc, 0, scale)
+    torch.testing.assert_close(out0.double(), ref_attention(q[:3], kc, vc, 0, scale), rtol=1e-5, atol=2e-6)
+
+
+def test_attention_cache_view():
+    # caches may be views of a bigger [n_layers, n_kv, max_len, hd] buffer
+    buf_k = torch.randn(3, 2, 64, 32)
+    buf_v = torch.randn(3, 2, 64, 32)
+    q = torch.randn(4, 4, 32)
+    out = uk.attention(q, buf_k[1], buf_v[1], 10, 0.2)
+    torch.testing.assert_close(out.double(), ref_attention(q, buf_k[1], buf_v[1], 10, 0.2), rtol=1e-5, atol=2e-6)
+
+
+def test_attention_errors():
+    kc = torch.randn(2, 16, 32)
+    with pytest.raises(ValueError, match="exceed the cache length"):
+        uk.attention(torch.randn(4, 4, 32), kc, kc, 14, 0.1)
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        uk.attention(torch.randn(1, 3, 32), kc, kc, 0, 0.1)
+    with pytest.raises(ValueError, match="head_dim"):
+        uk.attention(torch.randn(1, 4, 16), kc, kc, 0, 0.1)
+    with pytest.raises(ValueError, match="float32"):
+        uk.attention(torch.randn(1, 4, 32).double(), kc, kc, 0, 0.1)
+    with pytest.raises(ValueError, match="3-D"):
+        uk.attention(torch.randn(4, 32), kc, kc, 0, 0.1)
+    with pytest.raises(ValueError, match="shapes differ"):
+        uk.attention(torch.randn(1, 4, 32), kc, kc[:, :8], 0, 0.1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# build
+
+def test_build_failure_is_a_clear_runtime_error(tmp_path, monkeypatch):
+    # a compiler error (here an unknown flag) must surface as available() == False and a RuntimeError
+    monkeypatch.setenv("ULTRAFAST_HOME", str(tmp_path))
+    monkeypatch.setattr(uk, "_ext", None)
+    monkeypatch.setattr(uk, "_err", None)
+    monkeypatch.setattr(uk, "_err_msg", "")
+    monkeypatch.setattr(uk, "_CFLAGS", uk._CFLAGS + ["-fno-such-flag-for-ultrafast-test"])
+    assert uk.available() is False
+    with pytest.raises(RuntimeError, match="failed to build the C\\+\\+ kernels"):
+        uk.qmatmul(torch.randn(1, 32), torch.zeros(1, 34, dtype=torch.uint8), uk.Q8_0, 32)
+    with pytest.raises(uk.KernelBuildError):
+        uk.load()
+
+
+def test_build_is_cached():
+    # the extension lives under $ULTRAFAST_HOME/torch_extensions/<content hash>/ and is reused
+    name = uk._build_name()
+    so = uk._home() / "torch_extensions" / name / f"{name}.so"
+    assert so.exists()
+    assert uk.load().__file__ == str(so)

@@ -1,0 +1,132 @@
+"""The ultrafast tier is lossless: greedy output identical to the standard tier on Spec-Bench prompts for
+every drafter, and the sampled distribution unchanged (even under a drafter that proposes bad tokens)."""
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.builders import write_tiny_gguf
+from ultrafast.engine import Engine
+from ultrafast.sampler import SamplingParams
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+def spec_bench_sample(per_category: int):
+    """The first `per_category` first-turn questions of each Spec-Bench category (13 categories)."""
+    if not SPEC_BENCH.exists():
+        pytest.skip(f"Spec-Bench questions not found at {SPEC_BENCH}")
+    seen, out = Counter(), []
+    for line in SPEC_BENCH.read_text().splitlines():
+        q = json.loads(line)
+        if seen[q["category"]] < per_category:
+            seen[q["category"]] += 1
+            out.append(q["turns"][0])
+    return out
+
+
+class BadDrafter:
+    """Proposes random tokens (and sometimes the right one): it must cost speed, never correctness."""
+    name = "bad"
+
+    def __init__(self, vocab, seed=0):
+        self.rng, self.vocab = random.Random(seed), vocab
+
+    def begin(self, prompt_ids):
+        pass
+
+    def propose(self, context, k):
+        return [self.rng.randrange(self.vocab) for _ in range(k)]
+
+    def end(self, context):
+        pass
+
+
+@pytest.fixture(scope="module")
+def spec_engine(smollm_path):
+    engine = Engine.from_path(smollm_path, max_context=2048, device="cpu")
+    # SmolLM2 has no smaller sibling: a second copy of itself stands in as the draft model (it tests the
+    # mechanics: cache sync, rollback, acceptance); the Qwen 0.5B -> 1.5B pair is measured by the benchmark
+    engine.attach_draft_model(Engine.from_path(smollm_path, max_context=2048, device="cpu"))
+    return engine
+
+
+@pytest.mark.parametrize("drafters", [["prompt_lookup"], ["suffix"], ["draft_model"],
+                                      ["suffix", "prompt_lookup", "draft_model"]], ids=lambda d: "+".join(d))
+def test_greedy_ultrafast_equals_standard_on_spec_bench(spec_engine, drafters):
+    prompts = spec_bench_sample(1)
+    taus = []
+    for text in prompts:
+        ids = spec_engine.chat_prompt([{"role": "user", "content": text}])
+        params = SamplingParams(max_tokens=128)
+        std = spec_engine.generate(ids, params)
+        fast = spec_engine.generate(ids, params, tier="ultrafast", drafters=drafters)
+        assert fast.token_ids == std.token_ids, text[:80]
+        assert fast.text == std.text and fast.finish_reason == std.finish_reason
+        taus.append(fast.spec["tau"])
+    assert sum(taus) / len(taus) > 1.0  # the drafters did get tokens accepted
+
+
+def test_bad_drafter_changes_nothing(spec_engine):
+    ids = spec_engine.chat_prompt([{"role": "user", "content": "Write a limerick about a cat."}])
+    for params in (SamplingParams(max_tokens=48), SamplingParams(max_tokens=48, temperature=0.8, seed=3)):
+        std = spec_engine.generate(ids, params)
+        fast = spec_engine.generate(ids, params, tier="ultrafast", drafters=[BadDrafter(49152)])
+        assert fast.token_ids == std.token_ids
+
+
+def test_stop_strings_and_eos_inside_an_accepted_run(spec_engine):
+    ids = spec_engine.chat_prompt([{"role": "user", "content": "Count from 1 to 30, separated by commas."}])
+    full = spec_engine.generate(ids, SamplingParams(max_tokens=100))
+    stop = full.text[40:44]
+    for params in (SamplingParams(max_tokens=100, stop=[stop]), SamplingParams(max_tokens=37)):
+        std = spec_engine.generate(ids, params)
+        fast = spec_engine.generate(ids, params, tier="ultrafast")
+        assert (fast.token_ids, fast.text, fast.finish_reason) == (std.token_ids, std.text, std.finish_reason)
+
+
+def test_sampling_distribution_is_unchanged(tmp_path):
+    """Next-token distribution three tokens in, over many seeds: ultrafast (with a drafter that proposes
+    bad tokens, and with prompt lookup) against standard, by a chi-square test at significance 0.001, and
+    each tier against the model's own probabilities."""
+    from scipy.stats import chi2_contingency, chisquare
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, qtype=0, seed=3)
+    engine = Engine.from_path(path, max_context=128, device="cpu", packed=True)
+    prompt = [5, 9, 20, 5, 9]
+    first = 2  # condition on the first two generated tokens, look at the third
+    n_seeds = 600
+
+    def third_tokens(**tier):
+        out = []
+        for seed in range(n_seeds):
+            r = engine.generate(prompt, SamplingParams(temperature=0.35, seed=seed, max_tokens=3, ignore_eos=True), **tier)
+            out.append(tuple(r.token_ids))
+        return out
+
+    std = third_tokens()
+    bad = third_tokens(tier="ultrafast", drafters=[BadDrafter(engine.config.vocab_size, seed=1)])
+    pl = third_tokens(tier="ultrafast", drafters=["prompt_lookup"])
+    # the most common 2-token prefix, and the third token's counts after it
+    prefix = Counter(t[:first] for t in std).most_common(1)[0][0]
+
+    def counts(samples):
+        return Counter(t[first] for t in samples if t[:first] == prefix)
+    c_std, c_bad, c_pl = counts(std), counts(bad), counts(pl)
+    assert sum(c_std.values()) >= 30
+    tokens = sorted(set(c_std) | set(c_bad) | set(c_pl))
+    table = [[c[t] for t in tokens] for c in (c_std, c_bad, c_pl)]
+    assert chi2_contingency(table).pvalue > 0.001
+    # and the standard tier follows the model's own distribution at that position
+    logits = engine._forward(prompt + list(prefix), 0)[-1]
+    probs = torch.softmax(logits.double() / 0.35, -1)
+    n = sum(c_std.values())
+    top = [t for t in range(len(probs)) if probs[t] * n >= 5]
+    observed = [c_std[t] for t in top] + [n - sum(c_std[t] for t in top)]
+    expected = [float(probs[t]) * n for t in top] + [n * (1 - float(sum(probs[t] for t in top)))]
+    assert chisquare(observed, expected).pvalue > 0.001

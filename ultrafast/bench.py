@@ -1,0 +1,226 @@
+"""`ultrafast bench`: batch-1 decode against the memory wall, and against llama.cpp in the same run.
+
+Every speed comes with the bytes of weights read per token, the achieved GB/s and the % of the roofline
+(the machine's read bandwidth, measured in the same run with 1 and with all threads). r(k) is the cost of
+a k-token forward relative to a 1-token forward at the same position: what speculative decoding pays to
+verify k tokens at once. Where llama-cpp-python is installed, the same model, prompt tokens and thread
+count run through llama.cpp and the ratios are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+# Fixed prompt material (code, as the coder models see it), cut or repeated to the requested length.
+PROMPT_TEXT = '''import heapq
+from dataclasses import dataclass, field
+
+
+@dataclass(order=True)
+class Job:
+    priority: int
+    name: str = field(compare=False)
+    retries: int = field(default=0, compare=False)
+
+
+class Scheduler:
+    """A priority queue of jobs with bounded retries."""
+
+    def __init__(self, max_retries: int = 3):
+        self.queue: list[Job] = []
+        self.max_retries = max_retries
+        self.done: list[str] = []
+
+    def submit(self, job: Job) -> None:
+        heapq.heappush(self.queue, job)
+
+    def run_once(self, runner) -> bool:
+        if not self.queue:
+            return False
+        job = heapq.heappop(self.queue)
+        try:
+            runner(job)
+            self.done.append(job.name)
+        except Exception:
+            if job.retries < self.max_retries:
+                job.retries += 1
+                self.submit(job)
+        return True
+'''
+
+
+def measure_read_bandwidth(threads: int, gib: float = 1.0, reps: int = 5) -> float:
+    """Best-of-reps GB/s of torch.sum over a large fp32 buffer with `threads` threads."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(int(gib * (1 << 30)) // 4)
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t)
+        return x.numel() * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(prev)
+
+
+def prompt_tokens(tokenizer, n: int) -> list[int]:
+    ids = tokenizer.encode(PROMPT_TEXT, add_bos=False)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+@dataclass
+class RunFigures:
+    engine: str
+    prefill_tokens_per_s: float
+    ttft_s: float
+    decode_tokens_per_s: float
+    r_k: dict = field(default_factory=dict)
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_ours(engine, ids: list[int], gen: int, max_k: int, reps: int) -> RunFigures:
+    from .sampler import SamplingParams
+
+    engine.generate(ids[:16], SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
+    res = engine.generate(ids, SamplingParams(max_tokens=gen, ignore_eos=True))
+    n = len(ids)
+    engine._forward(ids, 0)
+    probe = res.token_ids[:max_k] + ids[: max(0, max_k - len(res.token_ids))]
+    r_k, t1 = {}, None
+    for k in range(1, max_k + 1):
+        t = _median_time(lambda: engine._forward(probe[:k], n, all_logits=True), reps)
+        t1 = t1 or t
+        r_k[k] = t / t1
+    return RunFigures("ultrafast", res.prefill_tokens_per_s, res.ttft_s, res.decode_tokens_per_s, r_k)
+
+
+def bench_llama_cpp(path, ids: list[int], gen: int, threads: int, max_k: int, reps: int) -> RunFigures | None:
+    try:
+        import numpy as np
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(path), n_ctx=len(ids) + gen + max_k + 8, n_threads=threads,
+                n_threads_batch=threads, n_batch=512, verbose=False)
+    llm.eval(ids[:16])  # warm up
+    llm.n_tokens = 0
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    ttft = time.perf_counter() - t0
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    out = [tok]
+    t1 = time.perf_counter()
+    for _ in range(gen - 1):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(tok)
+    decode = (gen - 1) / (time.perf_counter() - t1)
+    n = len(ids)
+    probe = (out + ids)[:max_k]
+    r_k, t1k = {}, None
+
+    def run(k):
+        llm.n_tokens = n
+        llm.eval(probe[:k])
+    for k in range(1, max_k + 1):
+        t = _median_time(lambda: run(k), reps)
+        t1k = t1k or t
+        r_k[k] = t / t1k
+    return RunFigures("llama.cpp", n / ttft, ttft, decode, r_k)
+
+
+def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int = 2, max_k: int = 16,
+              reps: int = 5, llama_cpp: bool = True, max_context: int | None = None) -> dict:
+    from .engine import Engine
+    from .pull import resolve_model
+
+    torch.set_num_threads(threads)
+    path = resolve_model(model)
+    engine = Engine.from_path(path, max_context=max_context or max(prompt_len + gen + max_k + 8, 1024))
+    info = engine.describe()
+    bw1 = measure_read_bandwidth(1)
+    bwn = measure_read_bandwidth(threads)
+    ids = prompt_tokens(engine.tokenizer, prompt_len)
+    ours = bench_ours(engine, ids, gen, max_k, reps)
+    del engine
+    theirs = bench_llama_cpp(path, ids, gen, threads, max_k, reps) if llama_cpp else None
+    bpt = info["weight_bytes_per_token"]
+    roofline = bwn * 1e9 / bpt
+
+    def summary(f: RunFigures | None):
+        if f is None:
+            return None
+        gbs = f.decode_tokens_per_s * bpt / 1e9
+        return {**asdict(f), "ttft_ms": f.ttft_s * 1000, "achieved_gb_per_s": gbs, "pct_of_roofline": 100 * gbs / bwn}
+
+    return {
+        "model": str(path.name), "prompt_tokens": prompt_len, "gen_tokens": gen, "threads": threads,
+        "weight_bytes_per_token": bpt, "weight_bytes_held": info["weight_bytes_held"],
+        "file_tensor_bytes": info["file_tensor_bytes"], "kernels": info["kernels"],
+        "read_gb_per_s_1_thread": bw1, f"read_gb_per_s_{threads}_threads": bwn,
+        "roofline_tokens_per_s": roofline,
+        "ultrafast": summary(ours), "llama_cpp": summary(theirs),
+        "decode_ratio_vs_llama_cpp": (ours.decode_tokens_per_s / theirs.decode_tokens_per_s) if theirs else None,
+    }
+
+
+def format_table(r: dict) -> str:
+    us, lc = r["ultrafast"], r["llama_cpp"]
+    t = r["threads"]
+    lines = [
+        f"model {r['model']}: {r['prompt_tokens']}-token prompt, {r['gen_tokens']} generated, {t} threads, "
+        f"kernels: {r['kernels']}",
+        f"weights read per token {r['weight_bytes_per_token'] / 1e6:.1f} MB (held {r['weight_bytes_held'] / 1e6:.1f} MB "
+        f"for {r['file_tensor_bytes'] / 1e6:.1f} MB in the file); read bandwidth {r['read_gb_per_s_1_thread']:.1f} GB/s "
+        f"(1 thread), {r[f'read_gb_per_s_{t}_threads']:.1f} GB/s ({t}); roofline {r['roofline_tokens_per_s']:.0f} tok/s",
+        "",
+        f"{'':24}{'ultrafast':>12}{'llama.cpp':>12}{'ratio':>8}",
+    ]
+
+    def row(label, key, fmt):
+        a = us[key]
+        b = lc[key] if lc else None
+        ratio = f"{a / b:8.2f}" if b else f"{'':8}"
+        lines.append(f"{label:24}{fmt.format(a):>12}{(fmt.format(b) if b is not None else '-'):>12}{ratio}")
+    row("decode tok/s", "decode_tokens_per_s", "{:.1f}")
+    row("achieved GB/s", "achieved_gb_per_s", "{:.1f}")
+    row("% of roofline", "pct_of_roofline", "{:.0f}%")
+    row("prefill tok/s", "prefill_tokens_per_s", "{:.0f}")
+    row("TTFT ms", "ttft_ms", "{:.0f}")
+    lines.append("")
+    ks = sorted(us["r_k"], key=int)
+    lines.append("r(k) = time(k-token forward) / time(1-token forward)")
+    lines.append("k          " + "".join(f"{k:>6}" for k in ks))
+    lines.append("ultrafast  " + "".join(f"{us['r_k'][k]:6.2f}" for k in ks))
+    if lc:
+        lines.append("llama.cpp  " + "".join(f"{lc['r_k'][k]:6.2f}" for k in ks))
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    r = run_bench(args.model, prompt_len=args.prompt_tokens, gen=args.gen_tokens, threads=args.threads,
+                  max_k=args.max_k, llama_cpp=not args.no_llama_cpp)
+    print(format_table(r))
+    if args.json == "-":
+        print(json.dumps(r, indent=2))
+    elif args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+        print(f"\nJSON written to {args.json}", file=sys.stderr)
+    return 0

@@ -1,0 +1,46 @@
+"""Drafters propose the next tokens cheaply; the target model verifies them all in one pass.
+
+Each drafter is its own module behind one small interface (`Drafter`): `begin` a request, `propose` up
+to k tokens that continue the context, and `end` it. Drafters never decide what is emitted: the verifier
+accepts only what the target itself would have produced, so a bad drafter costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """A new request starts with this prompt."""
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        """Up to k tokens likely to follow `context` (the prompt and every token emitted so far)."""
+
+    def end(self, context: list[int]) -> None:
+        """The request is over; `context` is its prompt and full output."""
+
+
+def build_drafters(names: list, *, suffix_cache=None, draft_engine=None) -> list[Drafter]:
+    """Drafters by name (prompt_lookup, suffix, draft_model); Drafter objects pass through."""
+    from .draft_model import DraftModelDrafter
+    from .prompt_lookup import PromptLookupDrafter
+    from .suffix import SuffixCache, SuffixDrafter
+
+    out: list[Drafter] = []
+    for name in names:
+        if not isinstance(name, str):  # an already-built drafter
+            out.append(name)
+        elif name == "prompt_lookup":
+            out.append(PromptLookupDrafter())
+        elif name == "suffix":
+            out.append(SuffixDrafter(suffix_cache if suffix_cache is not None else SuffixCache()))
+        elif name == "draft_model":
+            if draft_engine is None:
+                raise ValueError("the draft_model drafter needs a draft model (--draft-model)")
+            out.append(DraftModelDrafter(draft_engine))
+        else:
+            raise ValueError(f"unknown drafter {name!r}; known: prompt_lookup, suffix, draft_model")
+    return out

@@ -1,0 +1,239 @@
+"""Batch-invariant CPU kernels over packed GGUF weights (a C++ torch extension, JIT-compiled on first use).
+
+Every function here is *batch-invariant*: the result for one row (one token) is bit-identical whether it
+is computed alone or inside a call with other rows, and whatever the thread count. That is what lets
+speculative decoding verify k draft tokens in one call and still be provably lossless.
+
+    qmatmul(x, w, qtype, in_features)   y = x @ dequant(w).T, w the raw GGUF bytes [out, row_bytes]
+    rmsnorm(x, weight, eps)             y = x * rsqrt(mean(x^2) + eps) * weight, row-wise
+    attention(q, k_cache, v_cache, start_pos, scale)   causal grouped-query attention over a KV cache
+    available()                         whether the extension compiled and loaded
+
+Weights are dequantized to exactly the values gguf/ggml produce (fp16 scales converted to fp32, e.g.
+Q4_K: (d*sc)*q - dmin*m); only the order of the fp32 sums differs from ``x @ W.T``, so results agree
+with a dequantize-then-matmul reference to ~1e-6 of sum(|x|*|w|).
+
+The extension is built with torch.utils.cpp_extension.load into $ULTRAFAST_HOME/torch_extensions
+(ULTRAFAST_HOME defaults to ~/.cache/ultrafast); the first use compiles (~30 s on 2 cores, announced on
+stderr) and later processes reuse the build. The AVX-512 path is chosen at runtime; other CPUs use a
+portable scalar path with the same math (each path is batch-invariant on its own; the two paths are
+not bit-identical to each other). Set ULTRAFAST_KERNELS_SCALAR=1 to force the scalar path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "SUPPORTED_TYPES",
+    "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
+    "avx512_active", "set_force_scalar", "KernelBuildError",
+]
+
+# GGML type ids (gguf.GGMLQuantizationType)
+F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 8, 12, 14, 30
+
+# type id -> (values per block, bytes per block)
+_BLOCKS = {
+    F32: (1, 4), F16: (1, 2), BF16: (1, 2),
+    Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q8_0: (32, 34),
+    Q4_K: (256, 144), Q6_K: (256, 210),
+}
+SUPPORTED_TYPES = frozenset(_BLOCKS)
+
+_HERE = Path(__file__).resolve().parent
+_SOURCES = ["qmatmul.cpp", "qmatmul_avx512.cpp"]
+_HEADERS = ["qmatmul_kernels.h"]
+# No -march=native: the baseline unit must run anywhere (the AVX-512 unit enables its ISA with a
+# target pragma and is only entered after a runtime CPU check), so a shared build cache stays safe.
+# -ffp-contract=off: no implicit FMA contraction, so every template instantiation does the same math.
+_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
+_LDFLAGS = ["-fopenmp"]
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be compiled or loaded."""
+
+
+_lock = threading.Lock()
+_ext = None
+_err: BaseException | None = None
+_err_msg = ""
+
+
+def block_info(qtype: int) -> tuple[int, int]:
+    """(values per block, bytes per block) of a supported GGML type."""
+    try:
+        return _BLOCKS[int(qtype)]
+    except KeyError:
+        raise ValueError(f"unsupported GGML type id {qtype}; supported: {sorted(_BLOCKS)}") from None
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one packed weight row of ``in_features`` values."""
+    blk, nbytes = block_info(qtype)
+    if in_features % blk:
+        raise ValueError(f"in_features {in_features} is not a multiple of the block size {blk} of type {qtype}")
+    return in_features // blk * nbytes
+
+
+def _home() -> Path:
+    return Path(os.environ.get("ULTRAFAST_HOME") or Path.home() / ".cache" / "ultrafast").expanduser()
+
+
+def _build_name() -> str:
+    h = hashlib.sha256()
+    for f in _SOURCES + _HEADERS:
+        h.update(f.encode())
+        h.update((_HERE / f).read_bytes())
+    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(sys.version.encode())
+    return "ultrafast_kernels_" + h.hexdigest()[:12]
+
+
+def _clear_stale_lock(build_dir: Path, max_age_s: float = 900.0) -> None:
+    # torch's FileBaton waits forever on a lock left behind by a killed build.
+    lock = build_dir / "lock"
+    try:
+        if lock.exists() and time.time() - lock.stat().st_mtime > max_age_s:
+            lock.unlink()
+    except OSError:
+        pass
+
+
+def load():
+    """Compile (first use) and import the extension; raises KernelBuildError (a RuntimeError) on failure."""
+    global _ext, _err, _err_msg
+    if _ext is not None:
+        return _ext
+    with _lock:
+        if _ext is not None:
+            return _ext
+        if _err is not None:
+            raise KernelBuildError(_err_msg) from _err
+        try:
+            from torch.utils import cpp_extension
+
+            name = _build_name()
+            build_dir = _home() / "torch_extensions" / name
+            build_dir.mkdir(parents=True, exist_ok=True)
+            _clear_stale_lock(build_dir)
+            fresh = not (build_dir / f"{name}.so").exists()
+            t0 = time.perf_counter()
+            if fresh:
+                print(f"ultrafast: compiling C++ kernels into {build_dir} (first use, about 30 s)...",
+                      file=sys.stderr, flush=True)
+            ext = cpp_extension.load(
+                name=name,
+                sources=[str(_HERE / s) for s in _SOURCES],
+                extra_cflags=list(_CFLAGS),  # copies: torch appends to these lists
+                extra_ldflags=list(_LDFLAGS),
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+            if fresh:
+                print(f"ultrafast: kernels compiled in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+            if os.environ.get("ULTRAFAST_KERNELS_SCALAR", "") not in ("", "0"):
+                ext.set_force_scalar(True)
+            _ext = ext
+            return ext
+        except Exception as e:  # compiler or ninja missing, build error, import error
+            detail = str(e)
+            if len(detail) > 4000:
+                detail = "..." + detail[-4000:]
+            _err = e
+            _err_msg = (
+                f"ultrafast: failed to build the C++ kernels ({type(e).__name__}). They need a C++ compiler "
+                f"(g++), ninja and the torch headers; build directory: {_home() / 'torch_extensions'}.\n{detail}"
+            )
+            raise KernelBuildError(_err_msg) from e
+
+
+def available() -> bool:
+    """True when the kernels are compiled and loadable (compiles them on first call)."""
+    try:
+        load()
+        return True
+    except KernelBuildError:
+        return False
+
+
+def avx512_active() -> bool:
+    """Whether calls use the AVX-512 path (False: portable scalar path)."""
+    return bool(load().avx512_active())
+
+
+def set_force_scalar(flag: bool) -> None:
+    """Force the portable scalar path (for testing); process-wide."""
+    load().set_force_scalar(bool(flag))
+
+
+def _ext_or_load():
+    return _ext if _ext is not None else load()
+
+
+def _not_tensor(name: str, t) -> ValueError:
+    return ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def qmatmul(x: torch.Tensor, w: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """y[k, out] = x[k, in] @ dequant(w).T with w the raw GGUF bytes, uint8 [out_features, row_bytes].
+
+    x may also be [in] or [..., in] (leading dims are flattened into rows and restored). Batch-invariant:
+    each row's result is bit-identical whatever the other rows and the thread count. Wrong dtypes or
+    shapes raise ValueError (checked in C++).
+    """
+    ext = _ext_or_load()
+    try:
+        nd = x.dim()
+    except AttributeError:
+        raise _not_tensor("x", x) from None
+    if not isinstance(w, torch.Tensor):
+        raise _not_tensor("w", w)
+    if nd == 2:
+        return ext.qmatmul(x, w, qtype, in_features)
+    if nd == 0:
+        raise ValueError("x must be [k, in_features], got a scalar")
+    y = ext.qmatmul(x.reshape(-1, x.shape[-1]), w, qtype, in_features)
+    return y.view(*x.shape[:-1], y.shape[1])
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Row-wise RMSNorm of x [k, d] (or [d], [..., d]): x * rsqrt(mean(x^2) + eps) * weight, fp32.
+
+    Fixed reduction order per row, so batch-invariant.
+    """
+    ext = _ext_or_load()
+    try:
+        nd = x.dim()
+    except AttributeError:
+        raise _not_tensor("x", x) from None
+    if not isinstance(weight, torch.Tensor):
+        raise _not_tensor("weight", weight)
+    if nd == 2:
+        return ext.rmsnorm(x, weight, eps)
+    if nd == 0:
+        raise ValueError("x must be [k, d], got a scalar")
+    return ext.rmsnorm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: int,
+              scale: float) -> torch.Tensor:
+    """Causal grouped-query attention for k new tokens at positions start_pos .. start_pos+k-1.
+
+    q: [k, n_heads, head_dim]; k_cache, v_cache: [n_kv_heads, max_len, head_dim] already holding positions
+    0 .. start_pos+k-1. Head h reads kv head h // (n_heads // n_kv_heads); query i sees positions
+    <= start_pos+i. Returns [k, n_heads, head_dim] fp32, bit-identical per query whatever k.
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise _not_tensor(name, t)
+    return _ext_or_load().attention(q, k_cache, v_cache, start_pos, scale)

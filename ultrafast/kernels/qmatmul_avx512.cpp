@@ -1,0 +1,774 @@
+// AVX-512 kernels: fused GGUF dequantize + matmul, and one-query causal attention.
+//
+// This translation unit is compiled for the baseline ISA like the rest of the extension; the AVX-512
+// code below is enabled with a target pragma and only called after a runtime CPU check
+// (avx512_usable()). It deliberately includes no torch / C++ standard-library headers (see
+// qmatmul_kernels.h).
+//
+// How the quantized kernels work. A dot product may visit its terms in any order, and the activation row
+// x is shared by all N weight rows, so each call first permutes x once ("prep", O(k*K)) into the order in
+// which the nibbles/bytes sit inside the 32-bit lanes of the packed weights, pre-scaled by the power of
+// two that the lane's bit position implies (exact). A weight vector is then just `and` with a constant
+// mask + int->float conversion: the masked field converts to q * 2^(bit offset) exactly, and the x'
+// factor 2^-(bit offset) cancels it exactly. For each quantization block the kernel sums s = sum(q * x)
+// with the small integers held exactly in fp32, then applies the block scale once (acc += d * s) and
+// the block offset/min through per-block sums of x that prep also computes (acc += m * sum(x)). That is
+// the algebraic reorganisation of dequantize-then-dot allowed by the numerics contract: the weights are
+// the GGUF file's own values (fp16 scales converted exactly, d*sc etc. rounded as ggml does), only the
+// rounding of the sums differs (~1e-7 of sum |x*w|). Q5_0, Q8_0 and the float types decode each
+// 16-weight vector to its exact dequantized value instead and FMA it with x.
+//
+// No standard-library or torch header is included here: inline functions they define would be compiled
+// for AVX-512 in this unit and could be merged by the linker with the baseline copies.
+//
+// Batch invariance: every output element y[r][n] is produced by one fixed sequence of floating-point
+// operations that depends only on (qtype, K, weight row n, activation row r). The templates differ in
+// how many activation rows (R) share one decode of the weights, and the work is split into K panels
+// and row groups for cache locality, but per element the sequence is the same in every case:
+// accumulators are carried across panels through memory (exact), each activation row has its own
+// accumulators, every FMA is explicit, and the final horizontal reductions are fixed. The file is built
+// with -ffp-contract=off and without -ffast-math, so the compiler cannot fuse or reassociate anything
+// differently between instantiations.
+#include "qmatmul_kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#endif
+
+#include <immintrin.h>
+
+#define UF_INLINE inline __attribute__((always_inline))
+#define UF_INLINE_LAMBDA __attribute__((always_inline))
+
+namespace ultrafast {
+namespace {
+
+UF_INLINE float h2f(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+  return _cvtsh_ss(h);  // fp16 -> fp32 is exact
+}
+
+UF_INLINE __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+UF_INLINE __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+UF_INLINE __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+// 2^-e as float (exact), e in [0, 126]
+UF_INLINE float pow2neg(int e) {
+  const uint32_t bits = (uint32_t)(127 - e) << 23;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Fixed-order sum of n consecutive floats (prep only).
+UF_INLINE float seqsum(const float* x, int n) {
+  float a = 0.0f;
+  for (int i = 0; i < n; ++i) a = a + x[i];
+  return a;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Kernel types. Each provides
+//   B, BYTES        values / bytes per kernel block (a Q4_1 kernel block is 4 GGUF blocks)
+//   UNIT, UNIT_BYTES  smallest piece of a row (a GGUF block, or one value for float types); a row whose K
+//                   is not a multiple of B ends in a partial kernel block, decoded from a zero-padded copy
+//   XS              per-block sums of x that prep stores (block offsets / mins)
+//   prep(x, K, Kp, xp, xs)   permute + scale one activation row into xp[Kp] (zero-padded), sums into xs
+//   Acc, init, finish        per (weight row, activation row) accumulators
+//   block<R>(p, xp, xs, ldx, ldxs, acc)   one kernel block for R activation rows
+
+// ---- Q4_K: 256 values = 8 sub-blocks of 32 with 6-bit scales/mins. The 128 bytes of nibbles are read as
+// two 64-byte chunks of 16 dwords; vector n (0..7) of chunk c is (dword & 0xF << 4n), i.e. byte n>>1 of each
+// dword, low nibble for even n (sub-block 2g) and high nibble for odd n (2g+1), where lanes 0..7 hold
+// group g = 2c and lanes 8..15 group 2c+1.
+struct KQ4_K {
+  static constexpr int B = 256, BYTES = 144, UNIT = 256, UNIT_BYTES = 144, XS = 8;
+  static constexpr bool NATIVE_PARTIAL = false;  // K % 256 == 0 always
+  static void prep(const float* x, int64_t K, int64_t Kp, float* xp, float* xs) {
+    for (int64_t s = 0; s < K / 256; ++s) {
+      const float* xb = x + s * 256;
+      float* o = xp + s * 256;
+      for (int c = 0; c < 2; ++c)
+        for (int n = 0; n < 8; ++n) {
+          const float sc = pow2neg(4 * n);
+          for (int j = 0; j < 16; ++j) {
+            const int byte = 4 * j + (n >> 1), g = 2 * c + (byte >> 5), b = byte & 31, h = n & 1;
+            o[c * 128 + n * 16 + j] = xb[64 * g + 32 * h + b] * sc;
+          }
+        }
+      for (int sb = 0; sb < 8; ++sb) xs[s * 8 + sb] = seqsum(xb + 32 * sb, 32);
+    }
+    (void)Kp;
+  }
+  struct Acc {
+    __m512 e, o;
+  };
+  static UF_INLINE void init(Acc& a) { a.e = a.o = _mm512_setzero_ps(); }
+  static UF_INLINE float finish(const Acc& a) { return _mm512_reduce_add_ps(_mm512_add_ps(a.e, a.o)); }
+  template <int R>
+  static UF_INLINE void block(const uint8_t* p, const float* xp, const float* xs, int64_t ldx, int64_t ldxs,
+                              Acc* acc) {
+    uint32_t s0, s1, s2;
+    __builtin_memcpy(&s0, p + 4, 4);
+    __builtin_memcpy(&s1, p + 8, 4);
+    __builtin_memcpy(&s2, p + 12, 4);
+    // 6-bit scales sc[0..7] and mins m[0..7] (ggml get_scale_min_k4)
+    const uint32_t u0 = s0 & 0x3f3f3f3fu;
+    const uint32_t u1 = (s2 & 0x0f0f0f0fu) | (((s0 >> 6) & 0x03030303u) << 4);
+    const uint32_t u2 = s1 & 0x3f3f3f3fu;
+    const uint32_t u3 = ((s2 >> 4) & 0x0f0f0f0fu) | (((s1 >> 6) & 0x03030303u) << 4);
+    const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_setr_epi32((int)u0, (int)u1, (int)u2, (int)u3)));
+    // [d x8, dmin x8] from the two fp16 at p
+    int hd2;
+    __builtin_memcpy(&hd2, p, 4);
+    const __m512 dd = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                            _mm512_zextps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(hd2))));
+    const __m512 dm = _mm512_mul_ps(sm, dd);  // [d*sc0..7, dmin*m0..7], as ggml
+    // mins: lanes 0..7 of acc.e -= dmin*m[j] * sum(x over sub-block j)
+    const __m512 m1 = _mm512_shuffle_f32x4(dm, dm, 0x0E);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      acc[r].e = _mm512_mask3_fnmadd_ps(m1, _mm512_zextps256_ps512(_mm256_loadu_ps(xs + r * ldxs)), acc[r].e, (__mmask16)0x00FF);
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+      const __m512i QL = _mm512_loadu_si512(p + 16 + 64 * c);
+      const __m512 de = _mm512_permutexvar_ps(
+          _mm512_setr_epi32(4 * c, 4 * c, 4 * c, 4 * c, 4 * c, 4 * c, 4 * c, 4 * c, 4 * c + 2, 4 * c + 2, 4 * c + 2,
+                            4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2),
+          dm);
+      const __m512 dO = _mm512_permutexvar_ps(
+          _mm512_setr_epi32(4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1,
+                            4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3),
+          dm);
+      __m512 q[8];
+#pragma GCC unroll 8
+      for (int n = 0; n < 8; ++n)
+        q[n] = _mm512_cvtepu32_ps(_mm512_and_si512(QL, _mm512_set1_epi32((int)(0xFu << (4 * n)))));
+      const float* xc = xp + 128 * c;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float* xr = xc + r * ldx;
+        __m512 se = _mm512_mul_ps(q[0], _mm512_loadu_ps(xr));
+        __m512 so = _mm512_mul_ps(q[1], _mm512_loadu_ps(xr + 16));
+        se = _mm512_fmadd_ps(q[2], _mm512_loadu_ps(xr + 32), se);
+        so = _mm512_fmadd_ps(q[3], _mm512_loadu_ps(xr + 48), so);
+        se = _mm512_fmadd_ps(q[4], _mm512_loadu_ps(xr + 64), se);
+        so = _mm512_fmadd_ps(q[5], _mm512_loadu_ps(xr + 80), so);
+        se = _mm512_fmadd_ps(q[6], _mm512_loadu_ps(xr + 96), se);
+        so = _mm512_fmadd_ps(q[7], _mm512_loadu_ps(xr + 112), so);
+        acc[r].e = _mm512_fmadd_ps(se, de, acc[r].e);
+        acc[r].o = _mm512_fmadd_ps(so, dO, acc[r].o);
+      }
+    }
+  }
+};
+
+// ---- Q6_K: 256 values, q = 4 low bits (ql) | 2 high bits (qh) << 4, value = d * scale[e/16] * (q - 32).
+// Per 128-value half, the 6-bit values are first assembled as bytes (A: values 0..63 of the half, Bv:
+// 64..127), then vector c (0..3) of A is (dword & 0x3F << 8c): lane j holds value 4j + c, so lanes 4g..4g+3
+// all belong to scale group g. The -32 offset goes through per-group sums of x (prep stores -32 * sum).
+struct KQ6_K {
+  static constexpr int B = 256, BYTES = 210, UNIT = 256, UNIT_BYTES = 210, XS = 16;
+  static constexpr bool NATIVE_PARTIAL = false;  // K % 256 == 0 always
+  static void prep(const float* x, int64_t K, int64_t Kp, float* xp, float* xs) {
+    for (int64_t s = 0; s < K / 256; ++s) {
+      const float* xb = x + s * 256;
+      float* o = xp + s * 256;
+      for (int q = 0; q < 4; ++q)  // q = 2h + (A or B)
+        for (int c = 0; c < 4; ++c) {
+          const float sc = pow2neg(8 * c);
+          for (int j = 0; j < 16; ++j) o[q * 64 + c * 16 + j] = xb[64 * q + 4 * j + c] * sc;
+        }
+      for (int g = 0; g < 16; ++g) xs[s * 16 + g] = -32.0f * seqsum(xb + 16 * g, 16);
+    }
+    (void)Kp;
+  }
+  struct Acc {
+    __m512 a, b;
+  };
+  static UF_INLINE void init(Acc& a) { a.a = a.b = _mm512_setzero_ps(); }
+  static UF_INLINE float finish(const Acc& a) { return _mm512_reduce_add_ps(_mm512_add_ps(a.a, a.b)); }
+  template <int R>
+  static UF_INLINE void block(const uint8_t* p, const float* xp, const float* xs, int64_t ldx, int64_t ldxs,
+                              Acc* acc) {
+    const __m512 dsc =
+        _mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192))));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r].a = _mm512_fmadd_ps(dsc, _mm512_loadu_ps(xs + r * ldxs), acc[r].a);  // -32 offset
+    const __m512i m0f = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i QL = _mm512_loadu_si512(p + 64 * h);
+      __m512i QHx = _mm512_broadcast_i64x4(load256(p + 128 + 32 * h));
+      QHx = _mm512_mask_srli_epi16(QHx, (__mmask32)0xFFFF0000u, QHx, 2);  // upper half: qh >> 2
+      // bits 0..3 from ql, bits 4..5 the qh pair (bits 6..7 are junk, dropped by the 0x3F masks below)
+      const __m512i A = _mm512_ternarylogic_epi32(m0f, QL, _mm512_slli_epi16(QHx, 4), 0xCA);
+      const __m512i Bv = _mm512_ternarylogic_epi32(m0f, _mm512_srli_epi16(QL, 4), QHx, 0xCA);
+      const __m512 dA = _mm512_permutexvar_ps(
+          _mm512_setr_epi32(8 * h, 8 * h, 8 * h, 8 * h, 8 * h + 1, 8 * h + 1, 8 * h + 1, 8 * h + 1, 8 * h + 2,
+                            8 * h + 2, 8 * h + 2, 8 * h + 2, 8 * h + 3, 8 * h + 3, 8 * h + 3, 8 * h + 3),
+          dsc);
+      const __m512 dB = _mm512_permutexvar_ps(
+          _mm512_setr_epi32(8 * h + 4, 8 * h + 4, 8 * h + 4, 8 * h + 4, 8 * h + 5, 8 * h + 5, 8 * h + 5, 8 * h + 5,
+                            8 * h + 6, 8 * h + 6, 8 * h + 6, 8 * h + 6, 8 * h + 7, 8 * h + 7, 8 * h + 7, 8 * h + 7),
+          dsc);
+      __m512 qa[4], qb[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512i mk = _mm512_set1_epi32((int)(0x3Fu << (8 * c)));
+        qa[c] = _mm512_cvtepi32_ps(_mm512_and_si512(A, mk));
+        qb[c] = _mm512_cvtepi32_ps(_mm512_and_si512(Bv, mk));
+      }
+      const float* xh = xp + 128 * h;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float* xr = xh + r * ldx;
+        __m512 sa = _mm512_mul_ps(qa[0], _mm512_loadu_ps(xr));
+        __m512 sb = _mm512_mul_ps(qb[0], _mm512_loadu_ps(xr + 64));
+        sa = _mm512_fmadd_ps(qa[1], _mm512_loadu_ps(xr + 16), sa);
+        sb = _mm512_fmadd_ps(qb[1], _mm512_loadu_ps(xr + 80), sb);
+        sa = _mm512_fmadd_ps(qa[2], _mm512_loadu_ps(xr + 32), sa);
+        sb = _mm512_fmadd_ps(qb[2], _mm512_loadu_ps(xr + 96), sb);
+        sa = _mm512_fmadd_ps(qa[3], _mm512_loadu_ps(xr + 48), sa);
+        sb = _mm512_fmadd_ps(qb[3], _mm512_loadu_ps(xr + 112), sb);
+        acc[r].a = _mm512_fmadd_ps(sa, dA, acc[r].a);
+        acc[r].b = _mm512_fmadd_ps(sb, dB, acc[r].b);
+      }
+    }
+  }
+};
+
+// ---- Q4_0 / Q4_1: a kernel block is 4 GGUF blocks of 32 (128 values). Their 4 x 16 bytes of nibbles form
+// one vector of 16 dwords (lanes 4b..4b+3 = block b); vector n (0..7) is (dword & 0xF << 4n): value
+// 16*(n&1) + 4*(j%4) + (n>>1) of block j/4. Q4_1: d*q + m; Q4_0: d*q - 8d (offsets via per-block x sums,
+// which prep stores pre-multiplied by -8 for Q4_0).
+template <bool Q41>
+struct KQ4_01 {
+  static constexpr int BB = Q41 ? 20 : 18;  // bytes per GGUF block
+  static constexpr int QOFF = Q41 ? 4 : 2;  // offset of the nibbles in a block
+  static constexpr int B = 128, BYTES = 4 * BB, UNIT = 32, UNIT_BYTES = BB, XS = 4;
+  static void prep(const float* x, int64_t K, int64_t Kp, float* xp, float* xs) {
+    const int64_t nblk = K / 32;
+    for (int64_t g = 0; g < Kp / 128; ++g) {
+      float* o = xp + g * 128;
+      for (int n = 0; n < 8; ++n) {
+        const float sc = pow2neg(4 * n);
+        for (int j = 0; j < 16; ++j) {
+          const int64_t blk = 4 * g + j / 4;
+          o[n * 16 + j] = blk < nblk ? x[blk * 32 + 16 * (n & 1) + 4 * (j % 4) + (n >> 1)] * sc : 0.0f;
+        }
+      }
+      for (int b = 0; b < 4; ++b)
+        xs[g * 4 + b] = 4 * g + b < nblk ? (Q41 ? 1.0f : -8.0f) * seqsum(x + (4 * g + b) * 32, 32) : 0.0f;
+    }
+  }
+  struct Acc {
+    __m512 e, o;
+  };
+  static UF_INLINE void init(Acc& a) { a.e = a.o = _mm512_setzero_ps(); }
+  static UF_INLINE float finish(const Acc& a) { return _mm512_reduce_add_ps(_mm512_add_ps(a.e, a.o)); }
+  // NV = number of GGUF blocks present (4, or 1..3 for the partial last kernel block of a row; absent
+  // blocks read as zeros and are never loaded, so nothing past the row is touched).
+  template <int R, int NV = 4>
+  static UF_INLINE void block(const uint8_t* p, const float* xp, const float* xs, int64_t ldx, int64_t ldxs,
+                              Acc* acc) {
+    // the kernel block spans 4*BB = 80 (Q4_1) or 72 (Q4_0) bytes: Z0 = bytes 0..63, Z1 = bytes 64..
+    constexpr int SPAN = NV * BB;
+    const __m512i Z0 = SPAN >= 64 ? _mm512_loadu_si512(p)
+                                  : _mm512_maskz_loadu_epi8((__mmask64)((1ull << (SPAN < 64 ? SPAN : 0)) - 1ull), p);
+    const __m512i Z1 = SPAN > 64 ? _mm512_maskz_loadu_epi8((__mmask64)((1ull << (SPAN > 64 ? SPAN - 64 : 0)) - 1ull), p + 64)
+                                 : _mm512_setzero_si512();
+    // nibbles of block b -> dwords 4b..4b+3 (one cross-lane permute of the two loads)
+    __m512i QS;
+    if constexpr (Q41) {  // nibbles at bytes 20b+4: dwords 5b+1 .. 5b+4
+      QS = _mm512_permutex2var_epi32(Z0, _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 16, 17, 18, 19), Z1);
+    } else {  // nibbles at bytes 18b+2: words 9b+1 .. 9b+8
+      QS = _mm512_permutex2var_epi16(
+          Z0,
+          _mm512_set_epi16(35, 34, 33, 32, 31, 30, 29, 28, 26, 25, 24, 23, 22, 21, 20, 19,  //
+                           17, 16, 15, 14, 13, 12, 11, 10, 8, 7, 6, 5, 4, 3, 2, 1),
+          Z1);
+    }
+    // fp16 d_b is word b*BB/2 (Q4_1: m_b the next word; Q4_0 uses d_b again, prep folded the -8 into xs):
+    // dm = [d0..d3, m0..m3] as floats, dv = d_b on lanes 4b..4b+3
+    constexpr int W = BB / 2;
+    constexpr int M = Q41 ? 1 : 0;
+    const __m512i hw = _mm512_permutexvar_epi16(
+        _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  //
+                         3 * W + M, 2 * W + M, W + M, M, 3 * W, 2 * W, W, 0),
+        Z0);
+    const __m512 dm = _mm512_zextps256_ps512(_mm256_cvtph_ps(_mm512_castsi512_si128(hw)));
+    const __m512 dv = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), dm);
+    __m512 q[8];
+#pragma GCC unroll 8
+    for (int n = 0; n < 8; ++n)
+      q[n] = _mm512_cvtepu32_ps(_mm512_and_si512(QS, _mm512_set1_epi32((int)(0xFu << (4 * n)))));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float* xr = xp + r * ldx;
+      // offsets: lanes 4..7 of acc.e += m_b * sum(x over block b) (Q4_0: d_b * (-8 * sum))
+      acc[r].e = _mm512_mask3_fmadd_ps(dm, _mm512_broadcast_f32x4(_mm_loadu_ps(xs + r * ldxs)), acc[r].e, (__mmask16)0x00F0);
+      __m512 se = _mm512_mul_ps(q[0], _mm512_loadu_ps(xr));
+      __m512 so = _mm512_mul_ps(q[1], _mm512_loadu_ps(xr + 16));
+      se = _mm512_fmadd_ps(q[2], _mm512_loadu_ps(xr + 32), se);
+      so = _mm512_fmadd_ps(q[3], _mm512_loadu_ps(xr + 48), so);
+      se = _mm512_fmadd_ps(q[4], _mm512_loadu_ps(xr + 64), se);
+      so = _mm512_fmadd_ps(q[5], _mm512_loadu_ps(xr + 80), so);
+      se = _mm512_fmadd_ps(q[6], _mm512_loadu_ps(xr + 96), se);
+      so = _mm512_fmadd_ps(q[7], _mm512_loadu_ps(xr + 112), so);
+      acc[r].e = _mm512_fmadd_ps(se, dv, acc[r].e);
+      acc[r].o = _mm512_fmadd_ps(so, dv, acc[r].o);
+    }
+  }
+  // A last kernel block of 1 or 2 GGUF blocks (e.g. K = 576 = 4*128 + 64) fills only lanes 0..7, so it
+  // is done with 256-bit operations on those lanes (the same per-lane operations as block<>).
+  template <int R, int NV>
+  static UF_INLINE void half(const uint8_t* p, const float* xp, const float* xs, int64_t ldx, int64_t ldxs,
+                             Acc* acc) {
+    static_assert(NV == 1 || NV == 2, "half block");
+    const __m512i Z0 = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (NV * BB)) - 1ull), p);
+    const __m256i lo = _mm512_castsi512_si256(Z0), hi = _mm512_extracti64x4_epi64(Z0, 1);
+    __m256i QS;
+    if constexpr (Q41) {
+      QS = _mm256_permutex2var_epi32(lo, _mm256_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9), hi);
+    } else {
+      QS = _mm256_permutex2var_epi16(lo, _mm256_set_epi16(17, 16, 15, 14, 13, 12, 11, 10, 8, 7, 6, 5, 4, 3, 2, 1),
+                                     hi);
+    }
+    constexpr int W = BB / 2;
+    constexpr int M = Q41 ? 1 : 0;
+    const __m512i hw = _mm512_permutexvar_epi16(
+        _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  //
+                         3 * W + M, 2 * W + M, W + M, M, 3 * W, 2 * W, W, 0),
+        Z0);
+    const __m256 dm8 = _mm256_cvtph_ps(_mm512_castsi512_si128(hw));
+    const __m512 dm = _mm512_zextps256_ps512(dm8);
+    const __m256 dv = _mm256_permutexvar_ps(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), dm8);
+    __m256 q[8];
+#pragma GCC unroll 8
+    for (int n = 0; n < 8; ++n)
+      q[n] = _mm256_cvtepu32_ps(_mm256_and_si256(QS, _mm256_set1_epi32((int)(0xFu << (4 * n)))));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float* xr = xp + r * ldx;
+      acc[r].e = _mm512_mask3_fmadd_ps(dm, _mm512_broadcast_f32x4(_mm_loadu_ps(xs + r * ldxs)), acc[r].e, (__mmask16)0x00F0);
+      __m256 se = _mm256_mul_ps(q[0], _mm256_loadu_ps(xr));
+      __m256 so = _mm256_mul_ps(q[1], _mm256_loadu_ps(xr + 16));
+      se = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xr + 32), se);
+      so = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xr + 48), so);
+      se = _mm256_fmadd_ps(q[4], _mm256_loadu_ps(xr + 64), se);
+      so = _mm256_fmadd_ps(q[5], _mm256_loadu_ps(xr + 80), so);
+      se = _mm256_fmadd_ps(q[6], _mm256_loadu_ps(xr + 96), se);
+      so = _mm256_fmadd_ps(q[7], _mm256_loadu_ps(xr + 112), so);
+      const __m512 dvz = _mm512_zextps256_ps512(dv);
+      acc[r].e = _mm512_mask3_fmadd_ps(_mm512_zextps256_ps512(se), dvz, acc[r].e, (__mmask16)0x00FF);
+      acc[r].o = _mm512_mask3_fmadd_ps(_mm512_zextps256_ps512(so), dvz, acc[r].o, (__mmask16)0x00FF);
+    }
+  }
+  static constexpr bool NATIVE_PARTIAL = true;
+  template <int R>
+  static UF_INLINE void partial(const uint8_t* p, int64_t nunits, const float* xp, const float* xs, int64_t ldx,
+                                int64_t ldxs, Acc* acc) {
+    if (nunits == 1) half<R, 1>(p, xp, xs, ldx, ldxs, acc);
+    else if (nunits == 2) half<R, 2>(p, xp, xs, ldx, ldxs, acc);
+    else block<R, 3>(p, xp, xs, ldx, ldxs, acc);
+  }
+};
+
+// ---- Direct decoders: produce the dequantized weights (exactly ggml's values) as 16-float vectors and
+// FMA them with x; used for Q5_0, Q8_0 and the float types. f(i, v) gets vector i of the block.
+struct DQ5_0 {
+  static constexpr int B = 32, BYTES = 22, UNIT = 32, UNIT_BYTES = 22;
+  template <class F> static UF_INLINE void decode(const uint8_t* p, F& f) {
+    const __m512 d = _mm512_set1_ps(h2f(p));
+    uint32_t qh;
+    __builtin_memcpy(&qh, p + 2, 4);
+    const __m512 tlo = _mm512_mul_ps(d, _mm512_add_ps(iota16(), _mm512_set1_ps(-16.0f)));  // q = 0..15
+    const __m512 thi = _mm512_mul_ps(d, iota16());                                         // q = 16..31
+    const __m512i z = _mm512_cvtepu8_epi32(load128(p + 6));
+    const __m512i c16 = _mm512_set1_epi32(16);
+    __m512i i0 = _mm512_and_si512(z, _mm512_set1_epi32(15));
+    i0 = _mm512_mask_or_epi32(i0, (__mmask16)(qh & 0xFFFFu), i0, c16);
+    __m512i i1 = _mm512_srli_epi32(z, 4);
+    i1 = _mm512_mask_or_epi32(i1, (__mmask16)(qh >> 16), i1, c16);
+    f(0, _mm512_permutex2var_ps(tlo, i0, thi));  // index bit 4 selects thi; higher bits ignored
+    f(1, _mm512_permutex2var_ps(tlo, i1, thi));
+  }
+};
+
+struct DQ8_0 {
+  static constexpr int B = 32, BYTES = 34, UNIT = 32, UNIT_BYTES = 34;
+  template <class F> static UF_INLINE void decode(const uint8_t* p, F& f) {
+    const __m512 d = _mm512_set1_ps(h2f(p));
+    f(0, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 2))), d));
+    f(1, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 18))), d));
+  }
+};
+
+// Float weights: blocks of 32 values.
+struct DF32 {
+  static constexpr int B = 32, BYTES = 128, UNIT = 1, UNIT_BYTES = 4;
+  template <class F> static UF_INLINE void decode(const uint8_t* p, F& f) {
+    f(0, _mm512_loadu_ps(reinterpret_cast<const float*>(p)));
+    f(1, _mm512_loadu_ps(reinterpret_cast<const float*>(p) + 16));
+  }
+};
+
+struct DF16 {
+  static constexpr int B = 32, BYTES = 64, UNIT = 1, UNIT_BYTES = 2;
+  template <class F> static UF_INLINE void decode(const uint8_t* p, F& f) {
+    f(0, _mm512_cvtph_ps(load256(p)));
+    f(1, _mm512_cvtph_ps(load256(p + 32)));
+  }
+};
+
+struct DBF16 {
+  static constexpr int B = 32, BYTES = 64, UNIT = 1, UNIT_BYTES = 2;
+  static UF_INLINE __m512 cvt(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+  template <class F> static UF_INLINE void decode(const uint8_t* p, F& f) {
+    f(0, cvt(load256(p)));
+    f(1, cvt(load256(p + 32)));
+  }
+};
+
+template <class D>
+struct KDirect {
+  static constexpr int B = 32, BYTES = D::BYTES, UNIT = D::UNIT, UNIT_BYTES = D::UNIT_BYTES, XS = 0;
+  static constexpr bool NATIVE_PARTIAL = false;  // float types with K % 32 != 0: zero-padded copy
+  static void prep(const float* x, int64_t K, int64_t Kp, float* xp, float*) {
+    for (int64_t i = 0; i < K; ++i) xp[i] = x[i];
+    for (int64_t i = K; i < Kp; ++i) xp[i] = 0.0f;
+  }
+  struct Acc {
+    __m512 a0, a1;
+  };
+  static UF_INLINE void init(Acc& a) { a.a0 = a.a1 = _mm512_setzero_ps(); }
+  static UF_INLINE float finish(const Acc& a) { return _mm512_reduce_add_ps(_mm512_add_ps(a.a0, a.a1)); }
+  template <int R>
+  static UF_INLINE void block(const uint8_t* p, const float* xp, const float*, int64_t ldx, int64_t, Acc* acc) {
+    auto f = [&](int i, __m512 wv) UF_INLINE_LAMBDA {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        if (i & 1)
+          acc[r].a1 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + r * ldx + 16 * i), acc[r].a1);
+        else
+          acc[r].a0 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + r * ldx + 16 * i), acc[r].a0);
+      }
+    };
+    D::decode(p, f);
+  }
+};
+
+// ----------------------------------------------------------------------------------------------------
+// Driver. Rows are visited in groups of G; K is cut into panels of P values so that the panel of x' for
+// up to RMAX activation rows and of the G weight rows stays in L1/L2 while every (weight row, activation
+// row chunk) pair sweeps it. Accumulators live in `st` between panels (bit-exact round trip).
+
+constexpr int RMAX = 4;
+constexpr int G = 16;
+// Panel length (values): keep the x' panel of one activation-row chunk around 16 KiB.
+UF_INLINE int64_t panel_values(int64_t k) { return k <= 1 ? 4096 : (k == 2 ? 2048 : 1024); }
+
+// Rows [0, g) of a row group (weight rows `rb` bytes apart), blocks [b0, b1) of K, activation rows [0, R)
+// of the current chunk; st[j * k + r] holds the accumulators of weight row j and activation row r.
+template <class T, int R>
+__attribute__((noinline)) void run(const uint8_t* __restrict w, int64_t rb, int64_t g, int64_t b0, int64_t b1,
+                                   int64_t nfull, int64_t K, const float* __restrict xp, const float* __restrict xs,
+                                   int64_t ldx, int64_t ldxs, typename T::Acc* st, int64_t k) {
+  const int64_t bf = b1 < nfull ? b1 : nfull;
+  for (int64_t j = 0; j < g; ++j) {
+    const uint8_t* wr = w + j * rb;
+    typename T::Acc acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = st[j * k + r];
+    for (int64_t b = b0; b < bf; ++b)
+      T::template block<R>(wr + b * T::BYTES, xp + b * T::B, xs + b * T::XS, ldx, ldxs, acc);
+    if (b1 > nfull) {  // partial last block (x' is zero-padded)
+      const uint8_t* pl = wr + nfull * T::BYTES;
+      const int64_t nunits = (K - nfull * T::B) / T::UNIT;
+      if constexpr (T::NATIVE_PARTIAL) {
+        T::template partial<R>(pl, nunits, xp + nfull * T::B, xs + nfull * T::XS, ldx, ldxs, acc);
+      } else {  // decode a zero-padded copy
+        alignas(64) uint8_t buf[T::BYTES + 64];
+        for (int i = 0; i < T::BYTES + 64; ++i) buf[i] = 0;
+        __builtin_memcpy(buf, pl, (size_t)(nunits * T::UNIT_BYTES));
+        T::template block<R>(buf, xp + nfull * T::B, xs + nfull * T::XS, ldx, ldxs, acc);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) st[j * k + r] = acc[r];
+  }
+}
+
+template <class T>
+bool rows(const float* xp, const float* xs, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
+          int64_t ldy, int64_t n0, int64_t n1) {
+  using Acc = typename T::Acc;
+  const int64_t nfull = K / T::B;
+  const int64_t nblk = (K + T::B - 1) / T::B;
+  const int64_t ldx = nblk * T::B, ldxs = nblk * T::XS;
+  const int64_t PB = panel_values(k) / T::B > 0 ? panel_values(k) / T::B : 1;
+  void* mem = __builtin_malloc(sizeof(Acc) * (size_t)(G * k) + 64);
+  if (!mem) return false;
+  Acc* st = reinterpret_cast<Acc*>(((uintptr_t)mem + 63) & ~(uintptr_t)63);
+  for (int64_t n = n0; n < n1; n += G) {
+    const int64_t g = n1 - n < G ? n1 - n : G;
+    for (int64_t i = 0; i < g * k; ++i) T::init(st[i]);
+    const uint8_t* wg = w + n * rb;
+    if (nblk > PB && n + G < n1) {
+      // several K panels: rows are read panel by panel (with gaps), which defeats the hardware prefetcher
+      // on weights streamed from memory, so prefetch the next group's rows into L2 meanwhile
+      const uint8_t* nx = wg + G * rb;
+      const int64_t gn = n1 - (n + G) < G ? n1 - (n + G) : G;
+      for (int64_t off = 0; off < gn * rb; off += 64) _mm_prefetch((const char*)(nx + off), _MM_HINT_T1);
+    }
+    for (int64_t b0 = 0; b0 < nblk; b0 += PB) {
+      const int64_t b1 = b0 + PB < nblk ? b0 + PB : nblk;
+      for (int64_t r0 = 0; r0 < k; r0 += RMAX) {
+        const int64_t rr = k - r0 < RMAX ? k - r0 : RMAX;
+        const float* xr = xp + r0 * ldx;
+        const float* sr = xs + r0 * ldxs;
+        Acc* s = st + r0;
+        switch (rr) {
+          case 1: run<T, 1>(wg, rb, g, b0, b1, nfull, K, xr, sr, ldx, ldxs, s, k); break;
+          case 2: run<T, 2>(wg, rb, g, b0, b1, nfull, K, xr, sr, ldx, ldxs, s, k); break;
+          case 3: run<T, 3>(wg, rb, g, b0, b1, nfull, K, xr, sr, ldx, ldxs, s, k); break;
+          default: run<T, 4>(wg, rb, g, b0, b1, nfull, K, xr, sr, ldx, ldxs, s, k); break;
+        }
+      }
+    }
+    for (int64_t j = 0; j < g; ++j)
+      for (int64_t r = 0; r < k; ++r) y[r * ldy + n + j] = T::finish(st[j * k + r]);
+  }
+  __builtin_free(mem);
+  return true;
+}
+
+template <class T>
+void prep_rows(const float* x, int64_t k, int64_t K, float* xp, float* xs) {
+  const int64_t nblk = (K + T::B - 1) / T::B;
+  const int64_t ldx = nblk * T::B, ldxs = nblk * T::XS;
+  for (int64_t r = 0; r < k; ++r) T::prep(x + r * K, K, ldx, xp + r * ldx, xs + r * ldxs);
+}
+
+template <class T>
+void prep_sizes(int64_t K, int64_t* nx, int64_t* ns) {
+  const int64_t nblk = (K + T::B - 1) / T::B;
+  *nx = nblk * T::B;
+  *ns = nblk * T::XS;
+}
+
+// exp for x <= 0 (softmax arguments), Cephes expf polynomial with scalef; ~1 ulp.
+UF_INLINE __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Sum each of 16 vectors into one lane: lane t of the result = fixed-tree sum of the 16 lanes of a[t]
+// (pairs of 128-bit lanes, then 128-bit halves, then 256-bit halves); no lane of a[t] reaches another
+// output lane, so a key's score never depends on its neighbours in the block.
+UF_INLINE __m512 transpose_reduce16(const __m512* a) {
+  __m512 s[8], u[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// out[g] = inv[g] * sum_j p[g][j] * v_j over dims [16*v0, 16*(v0+NV)) for G <= 6 heads (NV <= 4)
+template <int NV, int G>
+__attribute__((noinline)) void attn_pv_chunk(const float* vc, int64_t L, int64_t hd, const float* sc, int64_t lds,
+                                             int v0, const float* inv, float* out) {
+  __m512 o[G][NV];
+#pragma GCC unroll 6
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) o[g][v] = _mm512_setzero_ps();
+  const float* vb = vc + 16 * v0;
+  for (int64_t j = 0; j < L; ++j) {
+    __m512 vv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(vb + j * hd + 16 * v);
+#pragma GCC unroll 6
+    for (int g = 0; g < G; ++g) {
+      const __m512 pj = _mm512_set1_ps(sc[g * lds + j]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) o[g][v] = _mm512_fmadd_ps(pj, vv[v], o[g][v]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int g = 0; g < G; ++g) {
+    const __m512 iv = _mm512_set1_ps(inv[g]);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + g * hd + 16 * (v0 + v), _mm512_mul_ps(o[g][v], iv));
+  }
+}
+
+template <int NV>
+UF_INLINE void attn_pv_heads(int G, const float* vc, int64_t L, int64_t hd, const float* sc, int64_t lds, int v0,
+                             const float* inv, float* out) {
+  switch (G) {
+    case 1: attn_pv_chunk<NV, 1>(vc, L, hd, sc, lds, v0, inv, out); break;
+    case 2: attn_pv_chunk<NV, 2>(vc, L, hd, sc, lds, v0, inv, out); break;
+    case 3: attn_pv_chunk<NV, 3>(vc, L, hd, sc, lds, v0, inv, out); break;
+    case 4: attn_pv_chunk<NV, 4>(vc, L, hd, sc, lds, v0, inv, out); break;
+    case 5: attn_pv_chunk<NV, 5>(vc, L, hd, sc, lds, v0, inv, out); break;
+    default: attn_pv_chunk<NV, 6>(vc, L, hd, sc, lds, v0, inv, out); break;
+  }
+}
+
+}  // namespace
+
+#define UF_DISPATCH(qtype, CALL)                  \
+  switch (qtype) {                                \
+    case QT_F32: { using T = KDirect<DF32>; CALL; break; }    \
+    case QT_F16: { using T = KDirect<DF16>; CALL; break; }    \
+    case QT_BF16: { using T = KDirect<DBF16>; CALL; break; }  \
+    case QT_Q4_0: { using T = KQ4_01<false>; CALL; break; }   \
+    case QT_Q4_1: { using T = KQ4_01<true>; CALL; break; }    \
+    case QT_Q5_0: { using T = KDirect<DQ5_0>; CALL; break; }  \
+    case QT_Q8_0: { using T = KDirect<DQ8_0>; CALL; break; }  \
+    case QT_Q4_K: { using T = KQ4_K; CALL; break; }           \
+    case QT_Q6_K: { using T = KQ6_K; CALL; break; }           \
+    default: break;                               \
+  }
+
+void qmm_prep_sizes_avx512(int qtype, int64_t K, int64_t* nx, int64_t* ns) {
+  *nx = *ns = 0;
+  UF_DISPATCH(qtype, prep_sizes<T>(K, nx, ns))
+}
+
+void qmm_prep_avx512(int qtype, const float* x, int64_t k, int64_t K, float* xp, float* xs) {
+  UF_DISPATCH(qtype, prep_rows<T>(x, k, K, xp, xs))
+}
+
+bool qmm_rows_avx512(int qtype, const float* xp, const float* xs, int64_t k, int64_t K, const uint8_t* w, int64_t rb,
+                     float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  bool ok = false;
+  UF_DISPATCH(qtype, ok = rows<T>(xp, xs, k, K, w, rb, y, ldy, n0, n1))
+  return ok;
+}
+
+void attn_group_avx512(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd, float scale,
+                       float* scores, int64_t lds, float* out) {
+  // Heads g < G (query vectors q + g*hd, outputs out + g*hd) all read the same kv head, so every key and
+  // value row is loaded once for the group. Per head the arithmetic is the same whatever G is.
+  const int64_t nv = hd / 16;
+  // pass 1: scores, 16 keys at a time; a partial last block leaves the missing keys' sums at zero
+  for (int64_t j0 = 0; j0 < L; j0 += 16) {
+    const int cnt = L - j0 < 16 ? (int)(L - j0) : 16;
+    const float* kb = kc + j0 * hd;
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * hd;
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+      if (cnt == 16) {
+        for (int64_t v = 0; v < nv; ++v) {
+          const __m512 qv = _mm512_loadu_ps(qg + 16 * v);
+#pragma GCC unroll 16
+          for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + t * hd + 16 * v), acc[t]);
+        }
+      } else {
+        for (int64_t v = 0; v < nv; ++v) {
+          const __m512 qv = _mm512_loadu_ps(qg + 16 * v);
+          for (int t = 0; t < cnt; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + t * hd + 16 * v), acc[t]);
+        }
+      }
+      const __m512 sv = _mm512_mul_ps(transpose_reduce16(acc), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(scores + g * lds + j0, (__mmask16)((1u << cnt) - 1u), sv);
+    }
+  }
+  // pass 2: per head, max (order-independent), exponentials and their sum over 16 lanes in a fixed order
+  float inv[64];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * lds;
+    __m512 mxv = _mm512_set1_ps(-__builtin_inff());
+    int64_t j = 0;
+    for (; j + 16 <= L; j += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sg + j));
+    const __mmask16 mt = (__mmask16)((1u << (L - j)) - 1u);
+    if (j < L) mxv = _mm512_mask_max_ps(mxv, mt, mxv, _mm512_maskz_loadu_ps(mt, sg + j));
+    const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(mxv));
+    __m512 sum = _mm512_setzero_ps();
+    for (j = 0; j + 16 <= L; j += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + j), vmx));
+      _mm512_storeu_ps(sg + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (j < L) {
+      const __m512 e = _mm512_maskz_mov_ps(mt, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mt, sg + j), vmx)));
+      _mm512_mask_storeu_ps(sg + j, mt, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  // pass 3: weighted sums of the values, 64 dims x up to 6 heads at a time (value rows loaded once)
+  for (int g0 = 0; g0 < G; g0 += 6) {
+    const int gc = G - g0 < 6 ? G - g0 : 6;
+    const float* sc = scores + g0 * lds;
+    float* og = out + g0 * hd;
+    for (int v0 = 0; v0 < (int)nv; v0 += 4) {
+      switch ((int)nv - v0 < 4 ? (int)nv - v0 : 4) {
+        case 1: attn_pv_heads<1>(gc, vc, L, hd, sc, lds, v0, inv + g0, og); break;
+        case 2: attn_pv_heads<2>(gc, vc, L, hd, sc, lds, v0, inv + g0, og); break;
+        case 3: attn_pv_heads<3>(gc, vc, L, hd, sc, lds, v0, inv + g0, og); break;
+        default: attn_pv_heads<4>(gc, vc, L, hd, sc, lds, v0, inv + g0, og); break;
+      }
+    }
+  }
+}
+
+bool avx512_usable() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
+}
+
+}  // namespace ultrafast
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#else  // not x86-64 GCC/clang: no AVX-512 kernels
+
+namespace ultrafast {
+bool avx512_usable() { return false; }
+void qmm_prep_sizes_avx512(int, int64_t, int64_t* nx, int64_t* ns) { *nx = *ns = 0; }
+void qmm_prep_avx512(int, const float*, int64_t, int64_t, float*, float*) {}
+bool qmm_rows_avx512(int, const float*, const float*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t,
+                     int64_t, int64_t) {
+  return false;
+}
+void attn_group_avx512(const float*, int, const float*, const float*, int64_t, int64_t, float, float*, int64_t, float*) {}
+}  // namespace ultrafast
+
+#endif

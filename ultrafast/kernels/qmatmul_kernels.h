@@ -1,0 +1,41 @@
+// Plain-C++ interface between the torch binding (qmatmul.cpp, compiled for the baseline ISA) and the
+// AVX-512 translation unit (qmatmul_avx512.cpp, compiled with a target pragma). This header must not
+// include any torch or standard-library template headers: anything inline instantiated inside the
+// AVX-512 unit could otherwise be merged by the linker with the baseline copy and run on a CPU without
+// AVX-512.
+#pragma once
+#include <stdint.h>
+
+namespace ultrafast {
+
+// GGML type ids (gguf.GGMLQuantizationType).
+enum QType : int {
+  QT_F32 = 0, QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q8_0 = 8,
+  QT_Q4_K = 12, QT_Q6_K = 14, QT_BF16 = 30,
+};
+
+// True when this CPU can run the AVX-512 kernels (F, BW, VL, DQ + FMA/F16C), checked at runtime.
+bool avx512_usable();
+
+// Activation prep for the AVX-512 matmul: x [k, K] -> xp [k, nx] (permuted to the packed weights' lane
+// order, scaled by exact powers of two, zero-padded) and xs [k, ns] (per-block sums of x, for block
+// offsets/mins). Every row is prepared on its own (batch-invariant).
+void qmm_prep_sizes_avx512(int qtype, int64_t K, int64_t* nx, int64_t* ns);
+void qmm_prep_avx512(int qtype, const float* x, int64_t k, int64_t K, float* xp, float* xs);
+
+// y[r * ldy + n] = sum_i x[r][i] * W[n][i]  for r in [0, k), n in [n0, n1), from the prepared xp/xs.
+// W rows are `rb` bytes apart starting at `w`. Per output element the arithmetic depends only on
+// (qtype, K, the row of W, the row of x): never on k, n0, n1 or the thread. Returns false only if a small
+// scratch allocation failed.
+bool qmm_rows_avx512(int qtype, const float* xp, const float* xs, int64_t k, int64_t K, const uint8_t* w, int64_t rb,
+                     float* y, int64_t ldy, int64_t n0, int64_t n1);
+
+// Causal attention of one query position for G <= 64 heads sharing one kv head: for each g,
+// out[g*hd + d] = sum_j softmax_j(scale * q_g . k_j) v_j[d] over keys j < L. q holds the G query vectors
+// (hd floats apart), kc/vc point at position 0 of the kv head (rows hd floats apart), scores has room for
+// G rows of lds >= L + 16 floats. head_dim % 16 == 0. The result for a head depends only on its query
+// vector, the first L keys/values and L.
+void attn_group_avx512(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t head_dim,
+                       float scale, float* scores, int64_t lds, float* out);
+
+}  // namespace ultrafast

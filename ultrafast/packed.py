@@ -1,0 +1,84 @@
+"""The packed transform: swap the plain model's modules for batch-invariant kernels over packed weights.
+
+Applied to a model built on the meta device, before any weight is materialised, as gpt-fast applies its
+quantization and tensor-parallel transforms:
+- every `nn.Linear` becomes a `PackedLinear` that keeps the file's raw GGUF bytes and multiplies by them
+  with the fused dequantize-and-multiply kernel (no fp32 copy of the weights exists);
+- `RMSNorm` and `AttentionCore` become kernel versions with a fixed reduction order per row.
+
+Activations are fp32. Every row's arithmetic is the same whatever the number of rows in the call, so the
+logits of k tokens verified in one forward are bit-identical to feeding them one at a time; this is what
+lets the ultrafast tier promise exactly the standard tier's tokens. (PyTorch's own fp32 `F.linear` is not
+batch-invariant on this CPU; its bf16 and int4/int8 packed matmuls are, but their scales are not the file's
+exact values: see shared/notes/measurements.md.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import kernels
+from .model import AttentionCore, RMSNorm
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, raw: torch.Tensor, qtype: int, in_features: int, out_features: int, bias=None):
+        super().__init__()
+        if raw.dtype != torch.uint8 or raw.shape[0] != out_features or raw.shape[1] != kernels.row_bytes(qtype, in_features):
+            raise ValueError(f"packed weight of shape {list(raw.shape)} does not hold {out_features}x{in_features} "
+                             f"values of type {qtype}")
+        self.register_buffer("raw", raw.contiguous(), persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.qtype, self.in_features, self.out_features = int(qtype), in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = kernels.qmatmul(x.contiguous(), self.raw, self.qtype, self.in_features)
+        return y if self.bias is None else y + self.bias
+
+    def nbytes_per_step(self) -> int:
+        return self.raw.numel() + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, qtype={self.qtype}"
+
+
+class KernelRMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.register_buffer("weight", weight.float().contiguous(), persistent=False)
+        self.eps = eps
+
+    def forward(self, x):
+        return kernels.rmsnorm(x.contiguous(), self.weight, self.eps)
+
+    def nbytes_per_step(self) -> int:
+        return self.weight.numel() * 4
+
+
+class KernelAttentionCore(nn.Module):
+    def forward(self, q, k_cache, v_cache, start_pos: int, scale: float):
+        return kernels.attention(q.contiguous(), k_cache, v_cache, start_pos, scale)
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def apply_packed(model: nn.Module, loaded) -> nn.Module:
+    """Replace linears, norms and attention cores of `model` (built on meta) with packed kernel modules."""
+    tensors, c = loaded.tensors, loaded.config
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, nn.Linear):
+            key = "tok_embeddings.weight" if name == "output" and c.tie_embeddings else f"{name}.weight"
+            qt = tensors[key]
+            bias = tensors[f"{name}.bias"].dequantize() if f"{name}.bias" in tensors else None
+            if qt.qtype not in kernels.SUPPORTED_TYPES:
+                continue  # stays a plain linear, filled in by the reference build
+            _swap(model, name, PackedLinear(qt.raw, qt.qtype, mod.in_features, mod.out_features, bias))
+        elif isinstance(mod, RMSNorm):
+            _swap(model, name, KernelRMSNorm(tensors[f"{name}.weight"].dequantize(), mod.eps))
+        elif isinstance(mod, AttentionCore):
+            _swap(model, name, KernelAttentionCore())
+    return model

@@ -1,0 +1,159 @@
+"""The ultrafast tier: draft several tokens, verify them in one pass over the weights, keep what the target
+itself would have produced.
+
+Verification runs the last emitted token and the k drafts through the model in one forward (the packed
+kernels make the logits of those k+1 rows bit-identical to k+1 one-token forwards), then walks the
+positions in order with the request's own sampler: the token sampled at position j is emitted, and the
+walk continues only while it equals draft j. Greedy, this is "accept the longest prefix equal to the
+target's argmax, plus one bonus token". With temperature, the sampler draws one uniform number per
+emitted position exactly as the standard tier does, so for deterministic drafters this is the
+speculative-sampling rule specialised to a point-mass draft: the emitted tokens are the standard tier's,
+for the same seed, and the distribution is the target's. The KV cache needs no copy to roll back: rows
+written for rejected drafts lie beyond the new position and are overwritten before anything attends to them.
+
+The adaptive policy picks k per pass from the drafter's recent per-token acceptance rate a and the
+measured cost r(n) of an n-row forward relative to a 1-row one: expected tokens per pass
+(1 + a + ... + a^k) divided by r(k+1). When no k > 0 beats a plain step it decodes plainly, probing
+again now and then, so the tier is never meaningfully slower than standard.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DrafterStats:
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rate: float = 0.6  # recent per-token acceptance (EMA), optimistic at first
+
+    def to_json(self) -> dict:
+        return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None}
+
+
+@dataclass
+class SpecStats:
+    verify_passes: int = 0  # forwards after the prefill (plain steps included)
+    emitted: int = 0  # tokens those passes produced
+    plain_steps: int = 0
+    by_drafter: dict[str, DrafterStats] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per pass over the weights (accepted drafts + the bonus token)."""
+        return self.emitted / self.verify_passes if self.verify_passes else 0.0
+
+    def to_json(self) -> dict:
+        return {"tau": round(self.tau, 4), "verify_passes": self.verify_passes, "plain_steps": self.plain_steps,
+                "drafters": {k: v.to_json() for k, v in self.by_drafter.items()}}
+
+
+def measure_r(engine, max_k: int = 16, reps: int = 3) -> list[float]:
+    """r[n] = time of an n-row forward / time of a 1-row forward (r[0] unused), measured on this engine."""
+    n0 = 8
+    engine._forward(list(range(n0)), 0)
+    times = [0.0]
+    for n in range(1, max_k + 2):
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            engine._forward(list(range(n)), n0, all_logits=True)
+            ts.append(time.perf_counter() - t)
+        times.append(sorted(ts)[len(ts) // 2])
+    return [t / times[1] for t in times]
+
+
+class SpeculativeStepper:
+    EMA = 0.3
+    PROBE_EVERY = 8  # plain steps in a row before trying a short draft again
+
+    def __init__(self, engine, drafters: list, r: list[float], max_k: int = 16):
+        if not drafters:
+            raise ValueError("the ultrafast tier needs at least one drafter")
+        self.engine, self.drafters, self.r = engine, drafters, r
+        self.max_k = min(max_k, len(r) - 2)
+        self.stats = SpecStats(by_drafter={d.name: DrafterStats() for d in drafters})
+        self._plain_run = 0
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        for d in self.drafters:
+            d.begin(prompt_ids)
+
+    def end(self, context: list[int]) -> None:
+        for d in self.drafters:
+            d.end(context)
+
+    def _best_k(self, rate: float, limit: int) -> int:
+        best_k, best_gain, expected = 0, 1.0, 1.0
+        for k in range(1, limit + 1):
+            expected += rate ** k
+            gain = expected / self.r[k + 1]
+            if gain > best_gain * 1.02:
+                best_k, best_gain = k, gain
+        return best_k
+
+    def _draft(self, context: list[int], limit: int):
+        """Ask drafters in order of recent acceptance; take the first that proposes something worth verifying."""
+        order = sorted(self.drafters, key=lambda d: -self.stats.by_drafter[d.name].rate)
+        for d in order:
+            st = self.stats.by_drafter[d.name]
+            k = self._best_k(st.rate, limit)
+            if k == 0 and self._plain_run >= self.PROBE_EVERY:
+                k = min(2, limit)
+            if k == 0:
+                continue
+            drafts = d.propose(context, k)[:k]
+            if drafts:
+                return d, drafts
+        return None, []
+
+    def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
+        """Emit the tokens after `tok` (at `pos`); `limit` bounds how many this pass may produce."""
+        drafter, drafts = self._draft(sampler.history, min(self.max_k, limit - 1)) if limit > 1 else (None, [])
+        logits = self.engine._forward([tok] + drafts, pos, all_logits=bool(drafts))
+        out = []
+        for j in range(len(drafts) + 1):
+            s = sampler.sample(logits[j])
+            out.append(s)
+            if j == len(drafts) or s != drafts[j]:
+                break
+        self.stats.verify_passes += 1
+        self.stats.emitted += len(out)
+        if drafter is None:
+            self.stats.plain_steps += 1
+            self._plain_run += 1
+        else:
+            self._plain_run = 0
+            accepted = len(out) - 1
+            st = self.stats.by_drafter[drafter.name]
+            st.passes += 1
+            st.drafted += len(drafts)
+            st.accepted += accepted
+            trials = accepted + (1 if accepted < len(drafts) else 0)
+            st.rate = (1 - self.EMA) * st.rate + self.EMA * (accepted / trials)
+        return out
+
+
+class PlainStepper:
+    """The standard tier: one token per pass."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.stats = SpecStats()
+
+    def begin(self, prompt_ids):
+        pass
+
+    def end(self, context):
+        pass
+
+    def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
+        logits = self.engine._forward([tok], pos)
+        self.stats.verify_passes += 1
+        self.stats.emitted += 1
+        self.stats.plain_steps += 1
+        return [sampler.sample(logits[-1])]
