@@ -205,11 +205,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if installed")
     s.add_argument("--json", help="also write the figures as JSON to this file ('-': stdout)")
     s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("specbench", help="Spec-Bench in both tiers: speedup, tau, exactness")
+    s.add_argument("--model", default=DEFAULT_MODEL)
+    s.add_argument("--draft-model", default=None)
+    s.add_argument("--drafters", default=None)
+    s.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default ../shared/data/spec_bench)")
+    s.add_argument("--per-category", type=int, default=5, help="questions per category (default 5)")
+    s.add_argument("--all", action="store_true", help="all 480 questions")
+    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--max-context", type=int, default=4096)
+    s.add_argument("--no-llama-cpp", action="store_true")
+    s.add_argument("--json", help="also write the table as JSON to this file")
+    s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.spec_bench", fromlist=["main"]).main(a))
+
+    from .server.commands import add_commands as add_server_commands  # serve, keys, usage, loadtest
+
+    add_server_commands(sub)
     return p
 
 
 def cmd_bench(args) -> int:
-    from .bench import main as bench_main
+    from .benchmarks.decode import main as bench_main
 
     return bench_main(args)
 

@@ -37,6 +37,7 @@ class GenerationResult:
     ttft_s: float
     decode_s: float
     weight_bytes_per_token: int
+    cached_tokens: int = 0  # prompt tokens whose KV rows were reused from the cache
     tier: str = "standard"
     spec: dict = field(default_factory=dict)  # tau, verify passes, acceptance per drafter
 
@@ -59,6 +60,7 @@ class GenerationResult:
             "token_ids": self.token_ids,
             "text": self.text,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "finish_reason": self.finish_reason,
             "ttft_s": round(self.ttft_s, 6),
@@ -127,10 +129,11 @@ class Engine:
         }
 
     def kernels_in_use(self) -> str:
-        from .packed import PackedLinear
+        from .packed import FusedBlock, PackedLinear
 
-        if isinstance(self.model.layers[0].feed_forward.w1, PackedLinear):
-            return "packed, " + ("avx512" if kernels.avx512_active() else "scalar")
+        if any(isinstance(m, PackedLinear) for m in self.model.modules()):
+            fused = "fused layers" if isinstance(self.model.layers[0], FusedBlock) else "per-op"
+            return f"packed, {fused}, " + ("avx512" if kernels.avx512_active() else "scalar")
         return "reference (fp32 nn.Linear)"
 
     # ---------------------------------------------------------------- prompts
@@ -144,9 +147,13 @@ class Engine:
 
     # ---------------------------------------------------------------- generation
 
-    def _forward(self, tokens: list[int], start_pos: int, all_logits: bool = False) -> torch.Tensor:
+    def new_cache(self) -> KVCache:
+        return KVCache(self.config, self.max_context, device=self.device)
+
+    def _forward(self, tokens: list[int], start_pos: int, all_logits: bool = False,
+                 cache: KVCache | None = None) -> torch.Tensor:
         t = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.model(t, start_pos, self.cache, all_logits=all_logits)
+        return self.model(t, start_pos, cache or self.cache, all_logits=all_logits)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -159,23 +166,28 @@ class Engine:
         if bad:
             raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
 
-    def stepper(self, tier: str = "standard", drafters: list[str] | None = None):
+    def stepper(self, tier: str = "standard", drafters: list[str] | None = None, cache: KVCache | None = None):
         """The decoding loop's step for a tier: plain, or speculative with the given drafters."""
+        cache = cache or self.cache
         if tier == "standard":
-            return PlainStepper(self)
+            return PlainStepper(self, cache)
         if tier != "ultrafast":
             raise ValueError(f"unknown tier {tier!r}: standard or ultrafast")
         if self.r_table is None:
             self.r_table = measure_r(self)
         names = drafters or self.default_drafters
         objs = build_drafters(names, suffix_cache=self.suffix_cache, draft_engine=self.draft_engine)
-        return SpeculativeStepper(self, objs, self.r_table)
+        return SpeculativeStepper(self, cache, objs, self.r_table)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, *, tier: str = "standard",
-               drafters: list[str] | None = None) -> Iterator[StreamEvent]:
-        """Yield tokens as they are generated; the final GenerationResult is the generator's return value."""
+               drafters: list[str] | None = None, cache: KVCache | None = None) -> Iterator[StreamEvent]:
+        """Yield tokens as they are generated; the final GenerationResult is the generator's return value.
+
+        `cache` (default: the engine's own) is the KV cache slot to run in; rows it already holds for a prefix
+        of the prompt are reused."""
         self.check_prompt(prompt_ids)
-        stepper = self.stepper(tier, drafters)
+        cache = cache or self.cache
+        stepper = self.stepper(tier, drafters, cache)
         sampler = Sampler(params, prompt_ids)
         eos = set() if params.ignore_eos else self.tokenizer.eos_ids
         budget = min(params.max_tokens, self.max_context - len(prompt_ids))
@@ -186,30 +198,35 @@ class Engine:
         finish = None
         t0 = time.perf_counter()
         stepper.begin(prompt_ids)
-        new = [sampler.sample(self._forward(prompt_ids, 0)[-1])]
-        ttft = time.perf_counter() - t0
+        reused = cache.reusable_prefix(prompt_ids)
+        cache.tokens = cache.tokens[:reused]  # rows past this are about to be overwritten
         pos, n_sampled = len(prompt_ids), 0
-        while finish is None:
-            for tok in new:
-                n_sampled += 1
-                if tok in eos:
-                    finish = "stop"
-                    break
-                out_ids.append(tok)
-                text += decoder.push(tok)
-                stop_at = _find_stop(text, params.stop, emitted)
-                if stop_at is not None:
-                    text, finish = text[:stop_at], "stop"
-                    break
-                safe = len(text) - hold if params.stop else len(text)
-                yield StreamEvent(tok, text[emitted:safe] if safe > emitted else "")
-                emitted = max(emitted, safe)
-                if len(out_ids) >= budget:
-                    finish = "length"
-                    break
-            if finish is None:
-                new = stepper.step(out_ids[-1], pos, sampler, budget - len(out_ids))
-                pos += len(new)
+        try:
+            new = [sampler.sample(self._forward(prompt_ids[reused:], reused, cache=cache)[-1])]
+            ttft = time.perf_counter() - t0
+            while finish is None:
+                for tok in new:
+                    n_sampled += 1
+                    if tok in eos:
+                        finish = "stop"
+                        break
+                    out_ids.append(tok)
+                    text += decoder.push(tok)
+                    stop_at = _find_stop(text, params.stop, emitted)
+                    if stop_at is not None:
+                        text, finish = text[:stop_at], "stop"
+                        break
+                    safe = len(text) - hold if params.stop else len(text)
+                    yield StreamEvent(tok, text[emitted:safe] if safe > emitted else "")
+                    emitted = max(emitted, safe)
+                    if len(out_ids) >= budget:
+                        finish = "length"
+                        break
+                if finish is None:
+                    new = stepper.step(out_ids[-1], pos, sampler, budget - len(out_ids))
+                    pos += len(new)
+        finally:  # also when the consumer stops early (a client that disconnects): the cache stays truthful
+            cache.tokens = (list(prompt_ids) + out_ids)[:pos]
         stepper.end(list(prompt_ids) + out_ids)
         if finish == "length":
             text += decoder.flush()
@@ -218,7 +235,7 @@ class Engine:
         decode_s = time.perf_counter() - t0 - ttft
         return GenerationResult(
             token_ids=out_ids, text=text, prompt_tokens=len(prompt_ids), completion_tokens=n_sampled,
-            finish_reason=finish, ttft_s=ttft, decode_s=decode_s,
+            finish_reason=finish, ttft_s=ttft, decode_s=decode_s, cached_tokens=reused,
             weight_bytes_per_token=self.weight_bytes_per_token, tier=tier, spec=stepper.stats.to_json())
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, **tier) -> GenerationResult:

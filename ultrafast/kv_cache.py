@@ -1,4 +1,9 @@
-"""The KV cache: one buffer per layer for keys and values, allocated once at the context size."""
+"""The KV cache: one buffer per layer for keys and values, allocated once at the context size.
+
+`tokens` records which tokens rows 0..len(tokens)-1 hold, so that a request whose prompt starts with
+them reuses those rows (prefix caching: an agent re-sending its growing conversation prefills only what
+is new). Reuse is exact: the packed kernels compute a row identically whatever rows come with it.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,16 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
+        self.tokens: list[int] = []
+
+    def reusable_prefix(self, prompt: list[int]) -> int:
+        """How many leading prompt tokens already have their rows here (at least one is always recomputed)."""
+        n = 0
+        for a, b in zip(self.tokens, prompt[:-1]):
+            if a != b:
+                break
+            n += 1
+        return n
 
     @property
     def nbytes(self) -> int:

@@ -61,13 +61,44 @@ class KernelAttentionCore(nn.Module):
         return kernels.attention(q.contiguous(), k_cache, v_cache, start_pos, scale)
 
 
+class FusedBlock(nn.Module):
+    """A whole decoder layer as one kernel call, built from a `Block` whose linears are all packed."""
+
+    LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+               "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block  # keeps the packed modules (and their bytes) registered
+        lin = [block.get_submodule(n) for n in self.LINEARS]
+        self.raws = [m.raw for m in lin]
+        self.qtypes = [m.qtype for m in lin]
+        self.biases = [m.bias for m in lin[:3]] if lin[0].bias is not None else []
+        att = block.attention
+        self.n_heads, self.n_kv_heads, self.head_dim, self.scale = att.n_heads, att.n_kv_heads, att.head_dim, att.scale
+
+    @staticmethod
+    def fusable(block: nn.Module) -> bool:
+        lin = [block.get_submodule(n) for n in FusedBlock.LINEARS]
+        return all(isinstance(m, PackedLinear) for m in lin) and \
+            isinstance(block.attention_norm, KernelRMSNorm) and isinstance(block.ffn_norm, KernelRMSNorm)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start_pos: int):
+        b = self.block
+        return kernels.decoder_block(x, start_pos, b.attention_norm.weight, b.ffn_norm.weight, b.attention_norm.eps,
+                                     self.raws, self.qtypes, self.biases, k_cache, v_cache,
+                                     cos[:, 0].contiguous(), sin[:, 0].contiguous(),
+                                     self.n_heads, self.n_kv_heads, self.head_dim, self.scale)
+
+
 def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def apply_packed(model: nn.Module, loaded) -> nn.Module:
-    """Replace linears, norms and attention cores of `model` (built on meta) with packed kernel modules."""
+def apply_packed(model: nn.Module, loaded, fuse: bool = True) -> nn.Module:
+    """Replace linears, norms and attention cores of `model` (built on meta) with packed kernel modules,
+    then (fuse) each decoder layer with a single-call fused layer over the same packed weights."""
     tensors, c = loaded.tensors, loaded.config
     for name, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear):
@@ -81,4 +112,8 @@ def apply_packed(model: nn.Module, loaded) -> nn.Module:
             _swap(model, name, KernelRMSNorm(tensors[f"{name}.weight"].dequantize(), mod.eps))
         elif isinstance(mod, AttentionCore):
             _swap(model, name, KernelAttentionCore())
+    if fuse:
+        for i, block in enumerate(model.layers):
+            if FusedBlock.fusable(block):
+                model.layers[i] = FusedBlock(block)
     return model

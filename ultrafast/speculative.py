@@ -40,6 +40,7 @@ class SpecStats:
     verify_passes: int = 0  # forwards after the prefill (plain steps included)
     emitted: int = 0  # tokens those passes produced
     plain_steps: int = 0
+    cost: float = 0.0  # sum over passes of r(rows in the pass): the passes' cost in 1-token forwards
     by_drafter: dict[str, DrafterStats] = field(default_factory=dict)
 
     @property
@@ -49,19 +50,21 @@ class SpecStats:
 
     def to_json(self) -> dict:
         return {"tau": round(self.tau, 4), "verify_passes": self.verify_passes, "plain_steps": self.plain_steps,
+                "mean_r": round(self.cost / self.verify_passes, 4) if self.verify_passes else 1.0,
                 "drafters": {k: v.to_json() for k, v in self.by_drafter.items()}}
 
 
 def measure_r(engine, max_k: int = 16, reps: int = 3) -> list[float]:
-    """r[n] = time of an n-row forward / time of a 1-row forward (r[0] unused), measured on this engine."""
-    n0 = 8
-    engine._forward(list(range(n0)), 0)
+    """r[n] = time of an n-row forward / time of a 1-row forward (r[0] unused), measured on this engine
+    in a scratch cache."""
+    n0, cache = 8, engine.new_cache()
+    engine._forward(list(range(n0)), 0, cache=cache)
     times = [0.0]
     for n in range(1, max_k + 2):
         ts = []
         for _ in range(reps):
             t = time.perf_counter()
-            engine._forward(list(range(n)), n0, all_logits=True)
+            engine._forward(list(range(n)), n0, all_logits=True, cache=cache)
             ts.append(time.perf_counter() - t)
         times.append(sorted(ts)[len(ts) // 2])
     return [t / times[1] for t in times]
@@ -71,10 +74,10 @@ class SpeculativeStepper:
     EMA = 0.3
     PROBE_EVERY = 8  # plain steps in a row before trying a short draft again
 
-    def __init__(self, engine, drafters: list, r: list[float], max_k: int = 16):
+    def __init__(self, engine, cache, drafters: list, r: list[float], max_k: int = 16):
         if not drafters:
             raise ValueError("the ultrafast tier needs at least one drafter")
-        self.engine, self.drafters, self.r = engine, drafters, r
+        self.engine, self.cache, self.drafters, self.r = engine, cache, drafters, r
         self.max_k = min(max_k, len(r) - 2)
         self.stats = SpecStats(by_drafter={d.name: DrafterStats() for d in drafters})
         self._plain_run = 0
@@ -114,7 +117,7 @@ class SpeculativeStepper:
     def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
         """Emit the tokens after `tok` (at `pos`); `limit` bounds how many this pass may produce."""
         drafter, drafts = self._draft(sampler.history, min(self.max_k, limit - 1)) if limit > 1 else (None, [])
-        logits = self.engine._forward([tok] + drafts, pos, all_logits=bool(drafts))
+        logits = self.engine._forward([tok] + drafts, pos, all_logits=bool(drafts), cache=self.cache)
         out = []
         for j in range(len(drafts) + 1):
             s = sampler.sample(logits[j])
@@ -123,6 +126,7 @@ class SpeculativeStepper:
                 break
         self.stats.verify_passes += 1
         self.stats.emitted += len(out)
+        self.stats.cost += self.r[len(drafts) + 1]
         if drafter is None:
             self.stats.plain_steps += 1
             self._plain_run += 1
@@ -141,8 +145,8 @@ class SpeculativeStepper:
 class PlainStepper:
     """The standard tier: one token per pass."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, cache):
+        self.engine, self.cache = engine, cache
         self.stats = SpecStats()
 
     def begin(self, prompt_ids):
@@ -152,8 +156,9 @@ class PlainStepper:
         pass
 
     def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
-        logits = self.engine._forward([tok], pos)
+        logits = self.engine._forward([tok], pos, cache=self.cache)
         self.stats.verify_passes += 1
         self.stats.emitted += 1
         self.stats.plain_steps += 1
+        self.stats.cost += 1.0
         return [sampler.sample(logits[-1])]

@@ -34,7 +34,7 @@ import torch
 __all__ = [
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "SUPPORTED_TYPES",
     "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
-    "avx512_active", "set_force_scalar", "KernelBuildError",
+    "avx512_active", "set_force_scalar", "KernelBuildError", "decoder_block",
 ]
 
 # GGML type ids (gguf.GGMLQuantizationType)
@@ -237,3 +237,15 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
         if not isinstance(t, torch.Tensor):
             raise _not_tensor(name, t)
     return _ext_or_load().attention(q, k_cache, v_cache, start_pos, scale)
+
+
+def decoder_block(x, start_pos: int, attn_norm, ffn_norm, eps: float, weights, qtypes, biases, k_cache, v_cache,
+                  cos, sin, n_heads: int, n_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """One whole decoder layer in one call (see qmatmul.cpp): returns the new residual stream [T, d].
+
+    weights/qtypes: the raw GGUF rows and type ids of wq, wk, wv, wo, w1 (gate), w3 (up), w2 (down);
+    biases: [] or [bq, bk, bv]; cos/sin: [T, head_dim] RoPE rows of the T positions. Writes the T new
+    keys and values into k_cache/v_cache [n_kv_heads, max_len, head_dim]. Batch-invariant like the rest."""
+    return _ext_or_load().decoder_block(x, start_pos, attn_norm, ffn_norm, eps, list(weights), list(qtypes),
+                                        list(biases), k_cache, v_cache, cos, sin, n_heads, n_kv_heads, head_dim,
+                                        scale)

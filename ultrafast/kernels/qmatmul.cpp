@@ -423,6 +423,92 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& kc, cons
   return out;
 }
 
+
+// ---------------------------------------------------------------------------------------------------
+// One whole decoder layer (pre-norm attention + SwiGLU feed-forward) for T rows, in a single call, so a
+// decode step costs one Python->C++ crossing per layer instead of ~20 small torch ops. Every stage is a
+// per-row computation whose arithmetic does not depend on T (the kernels above, and plain per-row loops
+// for bias, RoPE, the cache write, SiLU*up and the residual adds), so the layer stays batch-invariant.
+// Linears in `w`: wq, wk, wv, wo, w1 (gate), w3 (up), w2 (down); `bias` holds bq, bk, bv or is empty.
+torch::Tensor decoder_block(const torch::Tensor& x_in, int64_t start_pos, const torch::Tensor& attn_norm,
+                            const torch::Tensor& ffn_norm, double eps, const std::vector<torch::Tensor>& w,
+                            const std::vector<int64_t>& qt, const std::vector<torch::Tensor>& bias,
+                            const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& cos,
+                            const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads, int64_t hd, double scale) {
+  TORCH_CHECK_VALUE(w.size() == 7 && qt.size() == 7, "decoder_block: expected 7 linears");
+  TORCH_CHECK_VALUE(bias.empty() || bias.size() == 3, "decoder_block: expected 0 or 3 biases");
+  TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "decoder_block: x must be fp32 [T, d]");
+  auto x = x_in.contiguous().clone();
+  const int64_t T = x.size(0), d = x.size(1), nq = n_heads * hd, nkv = n_kv_heads * hd;
+  TORCH_CHECK_VALUE(cos.size(0) == T && cos.size(1) == hd && sin.size(0) == T && sin.size(1) == hd &&
+                        cos.is_contiguous() && sin.is_contiguous(),
+                    "decoder_block: cos/sin must be contiguous [T, head_dim]");
+  TORCH_CHECK_VALUE(kc.size(0) == n_kv_heads && kc.size(2) == hd && start_pos + T <= kc.size(1),
+                    "decoder_block: cache shape mismatch or positions past its end");
+  auto h = rmsnorm(x, attn_norm, eps);
+  auto q = qmatmul(h, w[0], qt[0], d);
+  auto k = qmatmul(h, w[1], qt[1], d);
+  auto v = qmatmul(h, w[2], qt[2], d);
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  if (!bias.empty()) {
+    const float* bq = bias[0].data_ptr<float>();
+    const float* bk = bias[1].data_ptr<float>();
+    const float* bv = bias[2].data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t i = 0; i < nq; ++i) qp[t * nq + i] += bq[i];
+      for (int64_t i = 0; i < nkv; ++i) kp[t * nkv + i] += bk[i];
+      for (int64_t i = 0; i < nkv; ++i) vp[t * nkv + i] += bv[i];
+    }
+  }
+  // RoPE, rotate-half layout: y = x*cos + rotate_half(x)*sin, rotate_half(x) = (-x[half:], x[:half])
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t half = hd / 2;
+  std::vector<float> tmp((size_t)hd);
+  auto rope = [&](float* row, const float* c, const float* s) {
+    for (int64_t i = 0; i < hd; ++i) {
+      const float rot = i < half ? -row[i + half] : row[i - half];
+      tmp[i] = row[i] * c[i] + rot * s[i];
+    }
+    std::memcpy(row, tmp.data(), sizeof(float) * hd);
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t hh = 0; hh < n_heads; ++hh) rope(qp + t * nq + hh * hd, cp + t * hd, sp + t * hd);
+    for (int64_t hh = 0; hh < n_kv_heads; ++hh) rope(kp + t * nkv + hh * hd, cp + t * hd, sp + t * hd);
+  }
+  // write this step's keys and values into the cache rows start_pos..start_pos+T-1
+  float* kcp = kc.data_ptr<float>();
+  float* vcp = vc.data_ptr<float>();
+  const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), vs0 = vc.stride(0), vs1 = vc.stride(1);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t hh = 0; hh < n_kv_heads; ++hh) {
+      std::memcpy(kcp + hh * ks0 + (start_pos + t) * ks1, kp + t * nkv + hh * hd, sizeof(float) * hd);
+      std::memcpy(vcp + hh * vs0 + (start_pos + t) * vs1, vp + t * nkv + hh * hd, sizeof(float) * hd);
+    }
+  auto att = attention(q.view({T, n_heads, hd}), kc, vc, start_pos, scale);
+  auto o = qmatmul(att.view({T, nq}), w[3], qt[3], nq);
+  float* xp = x.data_ptr<float>();
+  const float* op = o.data_ptr<float>();
+  for (int64_t i = 0; i < T * d; ++i) xp[i] += op[i];
+  auto h2 = rmsnorm(x, ffn_norm, eps);
+  auto g = qmatmul(h2, w[4], qt[4], d);
+  auto u = qmatmul(h2, w[5], qt[5], d);
+  const int64_t f = g.size(1);
+  float* gp = g.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < f; ++i) {
+      const float a = gp[t * f + i];
+      gp[t * f + i] = a / (1.0f + std::exp(-a)) * up[t * f + i];
+    }
+  auto dn = qmatmul(g, w[6], qt[6], f);
+  const float* dp = dn.data_ptr<float>();
+  for (int64_t i = 0; i < T * d; ++i) xp[i] += dp[i];
+  return x;
+}
+
 }  // namespace
 }  // namespace ultrafast
 
@@ -436,6 +522,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("attention", &ultrafast::attention, "causal GQA attention over a KV cache", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("start_pos"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("decoder_block", &ultrafast::decoder_block, "one decoder layer in one call", py::arg("x"),
+        py::arg("start_pos"), py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("eps"), py::arg("w"), py::arg("qt"),
+        py::arg("bias"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cos"), py::arg("sin"), py::arg("n_heads"),
+        py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("avx512_supported", &ultrafast::avx512_usable, "whether this CPU can run the AVX-512 path");
   m.def("avx512_active", &ultrafast::use_avx512, "whether the AVX-512 path is in use");
   m.def("set_force_scalar", [](bool v) { ultrafast::g_force_scalar.store(v); },

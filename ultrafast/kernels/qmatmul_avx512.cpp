@@ -473,8 +473,9 @@ struct KDirect {
 
 constexpr int RMAX = 4;
 constexpr int G = 16;
-// Panel length (values): keep the x' panel of one activation-row chunk around 16 KiB.
-UF_INLINE int64_t panel_values(int64_t k) { return k <= 1 ? 4096 : (k == 2 ? 2048 : 1024); }
+// Panel length (values), measured: with one activation row the whole row of x' is best (streaming it
+// from L2 keeps up); with more rows keep the x' panel of one row chunk around 16 KiB.
+UF_INLINE int64_t panel_values(int64_t k) { return k <= 1 ? ((int64_t)1 << 40) : (k == 2 ? 2048 : 1024); }
 
 // Rows [0, g) of a row group (weight rows `rb` bytes apart), blocks [b0, b1) of K, activation rows [0, R)
 // of the current chunk; st[j * k + r] holds the accumulators of weight row j and activation row r.

@@ -95,7 +95,7 @@ def _median_time(fn, reps: int) -> float:
 
 
 def bench_ours(engine, ids: list[int], gen: int, max_k: int, reps: int) -> RunFigures:
-    from .sampler import SamplingParams
+    from ..sampler import SamplingParams
 
     engine.generate(ids[:16], SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
     res = engine.generate(ids, SamplingParams(max_tokens=gen, ignore_eos=True))
@@ -147,8 +147,8 @@ def bench_llama_cpp(path, ids: list[int], gen: int, threads: int, max_k: int, re
 
 def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int = 2, max_k: int = 16,
               reps: int = 5, llama_cpp: bool = True, max_context: int | None = None) -> dict:
-    from .engine import Engine
-    from .pull import resolve_model
+    from ..engine import Engine
+    from ..pull import resolve_model
 
     torch.set_num_threads(threads)
     path = resolve_model(model)

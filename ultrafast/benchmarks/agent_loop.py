@@ -1,0 +1,107 @@
+"""`ultrafast agentbench`: a coding agent asked again and again to change the same file, re-sending the
+whole file each time and getting the whole file back, as agents do. Both tiers run the same loop (greedy,
+so they see the same files); per iteration and in total it prints tokens/s of each tier, the speedup and
+tau. This is the workload prompt lookup and suffix decoding are for: most of every answer is text the model
+has already seen (in the prompt) or written (in earlier iterations).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..sampler import SamplingParams
+
+SYSTEM = ("You are a coding agent. You edit the user's file as asked and reply with the complete updated file "
+          "in one ```python block, nothing else.")
+
+START_FILE = '''import json
+from pathlib import Path
+
+
+def load_users(path):
+    with open(path) as f:
+        data = json.load(f)
+    return [u for u in data if u.get("active")]
+
+
+def count_by_country(users):
+    counts = {}
+    for u in users:
+        c = u["country"]
+        counts[c] = counts.get(c, 0) + 1
+    return counts
+
+
+def top_countries(users, n):
+    counts = count_by_country(users)
+    return sorted(counts.items(), key=lambda kv: kv[1], reverse=True)[:n]
+
+
+def save_report(users, out):
+    report = {"total": len(users), "top": top_countries(users, 3)}
+    Path(out).write_text(json.dumps(report, indent=2))
+'''
+
+TASKS = [
+    "Rename the function `load_users` to `read_active_users` everywhere.",
+    "Add a docstring to `count_by_country`.",
+    "Add type hints to `top_countries`.",
+    "Make `save_report` also include the number of countries under the key \"countries\".",
+    "Use collections.Counter in `count_by_country`.",
+    "Add a `main()` function that loads users.json and saves report.json, and call it under `if __name__ == \"__main__\":`.",
+]
+
+
+def extract_file(text: str, previous: str) -> str:
+    if "```" not in text:
+        return previous
+    body = text.split("```", 1)[1]
+    body = body.split("\n", 1)[1] if "\n" in body else body
+    return body.split("```", 1)[0]
+
+
+def run_agent_loop(engine, *, iterations: int, max_tokens: int, tier: str, drafters=None, progress=sys.stderr):
+    current, rows = START_FILE, []
+    for i in range(iterations):
+        task = TASKS[i % len(TASKS)]
+        messages = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"Here is my file:\n```python\n{current}```\n\n{task}"}]
+        ids = engine.chat_prompt(messages)
+        engine.cache.tokens = []  # the agent's prompt changes every time; no help from the KV cache here
+        res = engine.generate(ids, SamplingParams(max_tokens=max_tokens), tier=tier, drafters=drafters)
+        rows.append(res)
+        current = extract_file(res.text, current)
+        if progress:
+            print(f"  {tier} iteration {i + 1}: {len(res.token_ids)} tokens, {res.decode_tokens_per_s:.1f} tok/s, "
+                  f"tau {res.spec.get('tau', 1):.2f}", file=progress, flush=True)
+    return rows
+
+
+def main(args) -> int:
+    import torch
+
+    from ..engine import Engine
+    from ..pull import resolve_model
+
+    torch.set_num_threads(args.threads)
+    engine = Engine.from_path(resolve_model(args.model), max_context=args.max_context)
+    if args.draft_model:
+        engine.attach_draft_model(Engine.from_path(resolve_model(args.draft_model), max_context=args.max_context))
+    drafters = args.drafters.split(",") if args.drafters else None
+    std = run_agent_loop(engine, iterations=args.iterations, max_tokens=args.max_tokens, tier="standard")
+    fast = run_agent_loop(engine, iterations=args.iterations, max_tokens=args.max_tokens, tier="ultrafast",
+                          drafters=drafters)
+    print(f"agent loop on {engine.loaded.path.name}: {args.iterations} edits of one file, greedy, {args.threads} "
+          f"threads, drafters {','.join(drafters or engine.default_drafters)}")
+    print(f"{'iter':>4}{'tokens':>8}{'standard':>10}{'ultrafast':>11}{'speedup':>9}{'tau':>7}  same output")
+    exact = True
+    for i, (a, b) in enumerate(zip(std, fast)):
+        same = a.token_ids == b.token_ids
+        exact &= same
+        print(f"{i + 1:4d}{len(a.token_ids):8d}{a.decode_tokens_per_s:10.1f}{b.decode_tokens_per_s:11.1f}"
+              f"{b.decode_tokens_per_s / a.decode_tokens_per_s:8.2f}x{b.spec['tau']:7.2f}  {'yes' if same else 'NO'}")
+    n = sum(len(a.token_ids) - 1 for a in std)
+    ts, tf = sum(a.decode_s for a in std), sum(b.decode_s for b in fast)
+    print(f"total: standard {n / ts:.1f} tok/s, ultrafast {n / tf:.1f} tok/s, speedup {ts / tf:.2f}x; "
+          f"identical outputs: {'yes' if exact else 'NO'}")
+    return 0 if exact else 1

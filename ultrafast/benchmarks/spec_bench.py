@@ -1,0 +1,160 @@
+"""`ultrafast specbench`: Spec-Bench (first turns, greedy, batch 1) in both tiers in one invocation.
+
+Per category: decode tokens/s of each tier, the speedup, tau (tokens per pass over the weights) and the
+mean r(k) of the verify passes; every ultrafast output is checked token for token against the standard
+tier's (a mismatch is reported and makes the command exit non-zero). Where llama-cpp-python is
+installed, llama.cpp's plain decoding and its prompt-lookup speculation run the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from ..sampler import SamplingParams
+
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
+
+
+def default_questions_path() -> Path:
+    here = Path(__file__).resolve()
+    for base in [Path.cwd(), *here.parents]:
+        p = base / ".." / "shared" / "data" / "spec_bench" / "question.jsonl"
+        if p.exists():
+            return p.resolve()
+    return Path("../shared/data/spec_bench/question.jsonl")
+
+
+def load_questions(path: Path, per_category: int | None) -> list[tuple[str, str]]:
+    """(category, first turn) pairs; MT-Bench's eight sub-categories count as one category, as Spec-Bench does."""
+    if not path.exists():
+        raise ValueError(f"{path}: Spec-Bench questions not found (pass --questions)")
+    seen, out = defaultdict(int), []
+    for line in path.read_text().splitlines():
+        q = json.loads(line)
+        cat = "mt_bench" if q["category"] in MT_BENCH else q["category"]
+        if per_category is None or seen[cat] < per_category:
+            seen[cat] += 1
+            out.append((cat, q["turns"][0]))
+    return out
+
+
+def _llama_runner(path, threads: int, n_ctx: int):
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return None
+
+    plain = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+    pld = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
+                logits_all=True, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8))
+
+    def run(llm, ids, n):
+        llm.reset()
+        out, t0, t1 = [], time.perf_counter(), None
+        for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            if t1 is None:
+                t1 = time.perf_counter()
+            out.append(tok)
+            if len(out) >= n:
+                break
+        return out, (len(out) - 1) / (time.perf_counter() - t1) if len(out) > 1 else 0.0
+    return lambda ids, n: (run(plain, ids, n), run(pld, ids, n))
+
+
+def run_spec_bench(engine, questions, *, max_tokens: int = 128, drafters=None, llama=None, progress=sys.stderr):
+    """llama: a callable that builds the llama.cpp runner; it runs after ours, so that its thread pool (which
+    spins while idle) never shares the cores with our measurements."""
+    rows = defaultdict(lambda: defaultdict(float))
+    mismatches, prompts = [], []
+    for i, (cat, text) in enumerate(questions):
+        ids = engine.chat_prompt([{"role": "user", "content": text}])
+        params = SamplingParams(max_tokens=max_tokens)
+        results = {}
+        for tier in ("standard", "ultrafast"):
+            engine.cache.tokens = []  # both tiers prefill from scratch
+            results[tier] = engine.generate(ids, params, tier=tier, drafters=drafters)
+        std, fast = results["standard"], results["ultrafast"]
+        if std.token_ids != fast.token_ids:
+            mismatches.append((cat, text[:60]))
+        r = rows[cat]
+        r["n"] += 1
+        r["tokens"] += len(std.token_ids) - 1
+        r["std_s"] += std.decode_s
+        r["fast_s"] += fast.decode_s
+        r["passes"] += fast.spec["verify_passes"]
+        r["emitted"] += fast.spec["verify_passes"] * fast.spec["tau"]
+        r["rk"] += fast.spec.get("mean_r", 1.0) * fast.spec["verify_passes"]
+        prompts.append((cat, ids))
+        if progress:
+            print(f"[{i + 1}/{len(questions)}] {cat}: standard {std.decode_tokens_per_s:.1f} tok/s, ultrafast "
+                  f"{fast.decode_tokens_per_s:.1f} tok/s, tau {fast.spec['tau']:.2f}"
+                  + ("" if std.token_ids == fast.token_ids else "  MISMATCH"), file=progress, flush=True)
+    runner = llama() if llama is not None else None
+    for i, (cat, ids) in enumerate(prompts if runner else []):
+        (_, lc_plain), (_, lc_pld) = runner(ids, max_tokens)
+        rows[cat]["lc_plain"] += lc_plain
+        rows[cat]["lc_pld"] += lc_pld
+        if progress:
+            print(f"[{i + 1}/{len(prompts)}] llama.cpp {cat}: plain {lc_plain:.1f} tok/s, prompt lookup {lc_pld:.1f}",
+                  file=progress, flush=True)
+    llama = runner
+    table = {}
+    for cat in CATEGORIES + sorted(set(rows) - set(CATEGORIES)):
+        if cat not in rows:
+            continue
+        r = rows[cat]
+        std_tps, fast_tps = r["tokens"] / r["std_s"], r["tokens"] / r["fast_s"]
+        table[cat] = {
+            "questions": int(r["n"]), "standard_tok_s": std_tps, "ultrafast_tok_s": fast_tps,
+            "speedup": fast_tps / std_tps, "tau": r["emitted"] / r["passes"], "mean_r_k": r["rk"] / r["passes"],
+            "llama_cpp_tok_s": r["lc_plain"] / r["n"] if llama else None,
+            "llama_cpp_pld_tok_s": r["lc_pld"] / r["n"] if llama else None,
+        }
+    speedups = [v["speedup"] for v in table.values()]
+    summary = {"mean_speedup": sum(speedups) / len(speedups), "min_speedup": min(speedups),
+               "mean_tau": sum(v["tau"] for v in table.values()) / len(table),
+               "exact": not mismatches, "mismatches": mismatches}
+    return table, summary
+
+
+def format_table(table, summary, title) -> str:
+    lines = [title, f"{'category':16}{'n':>4}{'standard':>10}{'ultrafast':>11}{'speedup':>9}{'tau':>7}{'r(k)':>7}"
+             f"{'llama.cpp':>11}{'lc-PLD':>9}"]
+    for cat, v in table.items():
+        lc = f"{v['llama_cpp_tok_s']:11.1f}{v['llama_cpp_pld_tok_s']:9.1f}" if v["llama_cpp_tok_s"] else f"{'-':>11}{'-':>9}"
+        lines.append(f"{cat:16}{v['questions']:4d}{v['standard_tok_s']:10.1f}{v['ultrafast_tok_s']:11.1f}"
+                     f"{v['speedup']:8.2f}x{v['tau']:7.2f}{v['mean_r_k']:7.2f}{lc}")
+    lines.append(f"mean speedup {summary['mean_speedup']:.2f}x, lowest {summary['min_speedup']:.2f}x, mean tau "
+                 f"{summary['mean_tau']:.2f}; ultrafast output identical to standard: "
+                 f"{'yes' if summary['exact'] else 'NO: ' + str(len(summary['mismatches'])) + ' prompts differ'}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    import torch
+
+    from ..engine import Engine
+    from ..pull import resolve_model
+
+    torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    engine = Engine.from_path(path, max_context=args.max_context)
+    if args.draft_model:
+        engine.attach_draft_model(Engine.from_path(resolve_model(args.draft_model), max_context=args.max_context))
+    drafters = args.drafters.split(",") if args.drafters else None
+    questions = load_questions(Path(args.questions) if args.questions else default_questions_path(),
+                               None if args.all else args.per_category)
+    llama = None if args.no_llama_cpp else (lambda: _llama_runner(path, args.threads, args.max_context))
+    table, summary = run_spec_bench(engine, questions, max_tokens=args.max_tokens, drafters=drafters, llama=llama)
+    title = (f"Spec-Bench on {path.name}: {len(questions)} first turns, greedy, {args.max_tokens} new tokens, "
+             f"batch 1, {args.threads} threads, drafters {','.join(drafters or engine.default_drafters)}; decode tok/s")
+    print(format_table(table, summary, title))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"table": table, "summary": summary}, indent=2))
+    return 0 if summary["exact"] else 1
