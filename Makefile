@@ -1,7 +1,8 @@
 # The two commands of the README: `make run` and `make test`. Both set up .venv on first use.
 VENV := .venv
 PY := $(VENV)/bin/python
-PROMPT ?= Write a Python function that reverses a singly linked list, with a short explanation.
+# extra `ultrafast serve` options for `make run`, e.g. SERVE_ARGS="--port 8080 --require-keys"
+SERVE_ARGS ?=
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -14,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 run: $(VENV)/.installed
-	$(VENV)/bin/ultrafast generate --prompt "$(PROMPT)"
+	$(VENV)/bin/ultrafast serve $(SERVE_ARGS)
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ultrafast pull smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b

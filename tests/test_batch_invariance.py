@@ -8,6 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+import ultrafast.kernels as uk
 from tests.builders import write_tiny_gguf
 from ultrafast.engine import Engine
 
@@ -55,6 +56,26 @@ def test_tiny_models_k_invariant_for_every_packed_type(tmp_path, qtype, arch):
     ref = Engine.from_path(path, max_context=128, device="cpu", packed=False)
     ids = list(range(3, 40))
     check_invariance(engine, ids[:21], ids[21:])
-    # the packed kernels agree with the fp32 reference path built from the same file
+    # the packed kernels agree with the fp32 reference path built from the same file (the bitwise checks
+    # above are the same for every kernel path; only this closeness tolerance depends on the path: the
+    # VNNI path rounds activations to int16 per block of 32, <= ~3e-5 of sum|x*w| per linear; measured on
+    # these tiny models: <= 3e-4 for Q8_0/Q4_0/Q4_1/Q5_0 and <= 5e-3 for the K-quants, whose random-byte
+    # test weights are large, up to ~2, and strongly biased per block)
     a, b = engine._forward(ids, 0, all_logits=True), ref._forward(ids, 0, all_logits=True)
-    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+    tol = 1e-4
+    if uk.path_in_use() == "vnni-int16" and qtype not in (T.F32, T.F16, T.BF16):
+        tol = 2e-2 if qtype in (T.Q4_K, T.Q6_K) else 2e-3
+    assert torch.allclose(a, b, atol=tol, rtol=tol), (a - b).abs().max()
+
+
+def test_several_sequences_in_one_pass_equal_each_alone(smollm_engine):
+    """Continuous batching: rows of different requests share the weight pass but never each other's values."""
+    e = smollm_engine
+    prompts = [list(range(10, 50)), list(range(300, 317)), list(range(1000, 1090))]
+    caches = [e.new_cache() for _ in prompts]
+    for p, c in zip(prompts, caches):
+        e._forward(p, 0, cache=c)
+    steps = [[7], [8, 9, 10], [11]]  # a decode step, a 3-token verify, a decode step
+    batched = e.forward_batch([(s, len(p), c) for s, p, c in zip(steps, prompts, caches)])
+    alone = torch.cat([e._forward(s, len(p), cache=c) for s, p, c in zip(steps, prompts, caches)])
+    assert torch.equal(batched, alone)

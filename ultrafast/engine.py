@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from . import kernels
+from .drafters import build_drafters
+from .drafters.suffix import SuffixCache
+from .generation import Generation, GenerationResult, StreamEvent  # noqa: F401 (re-exported)
 from .kv_cache import KVCache
 from .loader import LoadedModel, load
 from .model import Transformer, build_model
 from .packed import apply_packed
-from .drafters import build_drafters
-from .drafters.suffix import SuffixCache
-from .sampler import Sampler, SamplingParams
+from .sampler import SamplingParams
 from .speculative import PlainStepper, SpeculativeStepper, measure_r
 from .tokenizer import Tokenizer
 
@@ -25,58 +25,6 @@ DEFAULT_MAX_CONTEXT = 4096
 
 class ContextOverflowError(ValueError):
     pass
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]  # the generated tokens, without a final EOS
-    text: str
-    prompt_tokens: int
-    completion_tokens: int  # tokens sampled, an EOS that ended the generation included
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    ttft_s: float
-    decode_s: float
-    weight_bytes_per_token: int
-    cached_tokens: int = 0  # prompt tokens whose KV rows were reused from the cache
-    tier: str = "standard"
-    spec: dict = field(default_factory=dict)  # tau, verify passes, acceptance per drafter
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        # the first token comes out of the prefill; the decode rate counts the tokens after it
-        n = len(self.token_ids) - 1
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
-
-    @property
-    def achieved_gb_per_s(self) -> float:
-        return self.decode_tokens_per_s * self.weight_bytes_per_token / 1e9
-
-    def to_json(self) -> dict:
-        return {
-            "token_ids": self.token_ids,
-            "text": self.text,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "completion_tokens": self.completion_tokens,
-            "finish_reason": self.finish_reason,
-            "ttft_s": round(self.ttft_s, 6),
-            "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
-            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
-            "weight_bytes_per_token": self.weight_bytes_per_token,
-            "achieved_gb_per_s": round(self.achieved_gb_per_s, 3),
-            "tier": self.tier,
-            **self.spec,
-        }
-
-
-@dataclass
-class StreamEvent:
-    token_id: int
-    text: str  # newly completed text (may be empty while a UTF-8 sequence or a possible stop string is pending)
 
 
 class Engine:
@@ -91,6 +39,7 @@ class Engine:
         self.r_table: list[float] | None = None  # measured r(k), on first ultrafast use
         self.suffix_cache = SuffixCache()  # earlier requests' tokens, for suffix decoding
         self.draft_engine: "Engine | None" = None
+        self.draft_cost = 0.5
         self.default_drafters = ["suffix", "prompt_lookup"]
 
     def attach_draft_model(self, draft: "Engine") -> None:
@@ -98,6 +47,7 @@ class Engine:
                 draft.tokenizer.encode("def f(x):\n    return x") != self.tokenizer.encode("def f(x):\n    return x"):
             raise ValueError("the draft model must share the target's tokenizer")
         self.draft_engine = draft
+        self.draft_cost = _step_time(draft) / _step_time(self)  # a draft forward in target forwards
         self.default_drafters = ["suffix", "prompt_lookup", "draft_model"]
 
     @classmethod
@@ -155,6 +105,14 @@ class Engine:
         t = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.model(t, start_pos, cache or self.cache, all_logits=all_logits)
 
+    def forward_batch(self, seqs: list[tuple[list[int], int, KVCache]]) -> torch.Tensor:
+        """Continuous batching: one pass for several sequences, each (new tokens, start position, its cache).
+        Returns the logits of each sequence's last token [n, vocab]; with the packed kernels they are
+        bit-identical to running each sequence alone, so batching never changes a request's output."""
+        tokens = torch.tensor([t for toks, _, _ in seqs for t in toks], dtype=torch.long, device=self.device)
+        return self.model.forward_multi(tokens, [s for _, s, _ in seqs], [len(t) for t, _, _ in seqs],
+                                        [c for _, _, c in seqs])
+
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -176,8 +134,15 @@ class Engine:
         if self.r_table is None:
             self.r_table = measure_r(self)
         names = drafters or self.default_drafters
-        objs = build_drafters(names, suffix_cache=self.suffix_cache, draft_engine=self.draft_engine)
+        objs = build_drafters(names, suffix_cache=self.suffix_cache, draft_engine=self.draft_engine,
+                              draft_cost=self.draft_cost)
         return SpeculativeStepper(self, cache, objs, self.r_table)
+
+    def start(self, prompt_ids: list[int], params: SamplingParams, *, tier: str = "standard",
+              drafters: list[str] | None = None, cache: KVCache | None = None) -> Generation:
+        """A request's decoding state, not yet prefilled (a scheduler drives it; see generation.py)."""
+        cache = cache or self.cache
+        return Generation(self, prompt_ids, params, self.stepper(tier, drafters, cache), cache, tier)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, *, tier: str = "standard",
                drafters: list[str] | None = None, cache: KVCache | None = None) -> Iterator[StreamEvent]:
@@ -185,58 +150,16 @@ class Engine:
 
         `cache` (default: the engine's own) is the KV cache slot to run in; rows it already holds for a prefix
         of the prompt are reused."""
-        self.check_prompt(prompt_ids)
-        cache = cache or self.cache
-        stepper = self.stepper(tier, drafters, cache)
-        sampler = Sampler(params, prompt_ids)
-        eos = set() if params.ignore_eos else self.tokenizer.eos_ids
-        budget = min(params.max_tokens, self.max_context - len(prompt_ids))
-        decoder = self.tokenizer.stream_decoder()
-        out_ids: list[int] = []
-        text, emitted = "", 0  # text decoded so far; how much of it has been yielded
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        finish = None
-        t0 = time.perf_counter()
-        stepper.begin(prompt_ids)
-        reused = cache.reusable_prefix(prompt_ids)
-        cache.tokens = cache.tokens[:reused]  # rows past this are about to be overwritten
-        pos, n_sampled = len(prompt_ids), 0
+        g = self.start(prompt_ids, params, tier=tier, drafters=drafters, cache=cache)
         try:
-            new = [sampler.sample(self._forward(prompt_ids[reused:], reused, cache=cache)[-1])]
-            ttft = time.perf_counter() - t0
-            while finish is None:
-                for tok in new:
-                    n_sampled += 1
-                    if tok in eos:
-                        finish = "stop"
-                        break
-                    out_ids.append(tok)
-                    text += decoder.push(tok)
-                    stop_at = _find_stop(text, params.stop, emitted)
-                    if stop_at is not None:
-                        text, finish = text[:stop_at], "stop"
-                        break
-                    safe = len(text) - hold if params.stop else len(text)
-                    yield StreamEvent(tok, text[emitted:safe] if safe > emitted else "")
-                    emitted = max(emitted, safe)
-                    if len(out_ids) >= budget:
-                        finish = "length"
-                        break
-                if finish is None:
-                    new = stepper.step(out_ids[-1], pos, sampler, budget - len(out_ids))
-                    pos += len(new)
+            g.prefill()
+            yield from g.take_events()
+            while not g.done:
+                g.advance()
+                yield from g.take_events()
         finally:  # also when the consumer stops early (a client that disconnects): the cache stays truthful
-            cache.tokens = (list(prompt_ids) + out_ids)[:pos]
-        stepper.end(list(prompt_ids) + out_ids)
-        if finish == "length":
-            text += decoder.flush()
-        if len(text) > emitted:
-            yield StreamEvent(out_ids[-1] if out_ids else -1, text[emitted:])
-        decode_s = time.perf_counter() - t0 - ttft
-        return GenerationResult(
-            token_ids=out_ids, text=text, prompt_tokens=len(prompt_ids), completion_tokens=n_sampled,
-            finish_reason=finish, ttft_s=ttft, decode_s=decode_s, cached_tokens=reused,
-            weight_bytes_per_token=self.weight_bytes_per_token, tier=tier, spec=stepper.stats.to_json())
+            g.close()
+        return g.result
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, **tier) -> GenerationResult:
         it = self.stream(prompt_ids, params, **tier)
@@ -247,11 +170,13 @@ class Engine:
                 return done.value
 
 
-def _find_stop(text: str, stops: list[str], emitted: int) -> int | None:
-    """Index where the earliest stop string starts in the not-yet-emitted tail of text, if any."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, emitted - len(s) + 1))
-        if i != -1 and (best is None or i < best):
-            best = i
-    return best
+def _step_time(engine: "Engine", reps: int = 5) -> float:
+    """Median time of a 1-token forward (in a scratch cache)."""
+    cache = engine.new_cache()
+    engine._forward(list(range(16)), 0, cache=cache)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        engine._forward([1], 16, cache=cache)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[reps // 2]

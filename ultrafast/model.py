@@ -68,17 +68,21 @@ class Attention(nn.Module):
         self.core = AttentionCore()
         self.scale = c.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start_pos: int):
+    def forward(self, x, cos, sin, segments):
+        """segments: (start_pos, rows, k_cache, v_cache) per sequence whose rows x holds, in order."""
         T = x.shape[0]
         q = self.wq(x).view(T, self.n_heads, self.head_dim)
         k = self.wk(x).view(T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(T, self.n_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        k_cache[:, start_pos:start_pos + T] = k.transpose(0, 1)
-        v_cache[:, start_pos:start_pos + T] = v.transpose(0, 1)
-        out = self.core(q, k_cache, v_cache, start_pos, self.scale)
-        return self.wo(out.reshape(T, -1))
+        outs, row = [], 0
+        for start, n, k_cache, v_cache in segments:
+            k_cache[:, start:start + n] = k[row:row + n].transpose(0, 1)
+            v_cache[:, start:start + n] = v[row:row + n].transpose(0, 1)
+            outs.append(self.core(q[row:row + n], k_cache, v_cache, start, self.scale))
+            row += n
+        return self.wo(torch.cat(outs).reshape(T, -1))
 
 
 class FeedForward(nn.Module):
@@ -100,8 +104,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         self.feed_forward = FeedForward(c)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start_pos):
-        h = x + self.attention(self.attention_norm(x), cos, sin, k_cache, v_cache, start_pos)
+    def forward(self, x, cos, sin, segments):
+        h = x + self.attention(self.attention_norm(x), cos, sin, segments)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -129,14 +133,24 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """tokens: [T] int64 at positions start_pos.. -> logits [T, vocab] (all_logits) or [1, vocab] (last)."""
-        T = tokens.shape[0]
-        # [T, 1, D], broadcast over heads; a table, so a position's values never depend on T
-        cos, sin = self.rope_cos[start_pos:start_pos + T, None], self.rope_sin[start_pos:start_pos + T, None]
+        logits = self.forward_multi(tokens, [start_pos], [tokens.shape[0]], [cache], all_logits)
+        return logits
+
+    @torch.inference_mode()
+    def forward_multi(self, tokens: torch.Tensor, starts: list[int], lens: list[int], caches: list[KVCache],
+                      all_logits: bool = False) -> torch.Tensor:
+        """Several sequences in one pass (continuous batching): tokens holds lens[s] rows of sequence s at
+        positions starts[s].., each with its own cache. Returns logits of every row (all_logits) or of each
+        sequence's last row [n_sequences, vocab]. Rows never influence each other's values."""
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(tokens.device)
+        # [T, 1, D], broadcast over heads; a table, so a position's values never depend on the batch
+        cos, sin = self.rope_cos[positions, None], self.rope_sin[positions, None]
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], start_pos)
+            segments = [(s, n, c.k[i], c.v[i]) for s, n, c in zip(starts, lens, caches)]
+            x = layer(x, cos, sin, segments)
         if not all_logits:
-            x = x[-1:]
+            x = x[torch.tensor(lens, device=x.device).cumsum(0) - 1]
         return self.output(self.norm(x)).float()
 
     def weight_bytes_per_token(self) -> int:

@@ -83,10 +83,11 @@ class FusedBlock(nn.Module):
         return all(isinstance(m, PackedLinear) for m in lin) and \
             isinstance(block.attention_norm, KernelRMSNorm) and isinstance(block.ffn_norm, KernelRMSNorm)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start_pos: int):
+    def forward(self, x, cos, sin, segments):
         b = self.block
-        return kernels.decoder_block(x, start_pos, b.attention_norm.weight, b.ffn_norm.weight, b.attention_norm.eps,
-                                     self.raws, self.qtypes, self.biases, k_cache, v_cache,
+        starts, lens, kcs, vcs = (list(t) for t in zip(*segments))
+        return kernels.decoder_block(x, starts, lens, b.attention_norm.weight, b.ffn_norm.weight,
+                                     b.attention_norm.eps, self.raws, self.qtypes, self.biases, kcs, vcs,
                                      cos[:, 0].contiguous(), sin[:, 0].contiguous(),
                                      self.n_heads, self.n_kv_heads, self.head_dim, self.scale)
 

@@ -13,7 +13,8 @@ written for rejected drafts lie beyond the new position and are overwritten befo
 
 The adaptive policy picks k per pass from the drafter's recent per-token acceptance rate a and the
 measured cost r(n) of an n-row forward relative to a 1-row one: expected tokens per pass
-(1 + a + ... + a^k) divided by r(k+1). When no k > 0 beats a plain step it decodes plainly, probing
+(1 + a + ... + a^k) divided by the pass's cost r(k+1) + c*k, c being what the drafter spends per drafted
+token in target 1-token forwards (0 for lookups; measured for a draft model). When no k > 0 beats a plain step it decodes plainly, probing
 again now and then, so the tier is never meaningfully slower than standard.
 """
 
@@ -42,6 +43,12 @@ class SpecStats:
     plain_steps: int = 0
     cost: float = 0.0  # sum over passes of r(rows in the pass): the passes' cost in 1-token forwards
     by_drafter: dict[str, DrafterStats] = field(default_factory=dict)
+
+    def record_plain(self) -> None:
+        self.verify_passes += 1
+        self.emitted += 1
+        self.plain_steps += 1
+        self.cost += 1.0
 
     @property
     def tau(self) -> float:
@@ -90,11 +97,13 @@ class SpeculativeStepper:
         for d in self.drafters:
             d.end(context)
 
-    def _best_k(self, rate: float, limit: int) -> int:
+    def _best_k(self, rate: float, limit: int, draft_cost: float = 0.0) -> int:
+        """k maximising expected tokens per unit of cost; 0 (a plain step) unless some k beats it by 2%.
+        draft_cost: the drafter's cost per drafted token, in target 1-token forwards (0 for lookups)."""
         best_k, best_gain, expected = 0, 1.0, 1.0
         for k in range(1, limit + 1):
             expected += rate ** k
-            gain = expected / self.r[k + 1]
+            gain = expected / (self.r[k + 1] + draft_cost * k)
             if gain > best_gain * 1.02:
                 best_k, best_gain = k, gain
         return best_k
@@ -104,7 +113,7 @@ class SpeculativeStepper:
         order = sorted(self.drafters, key=lambda d: -self.stats.by_drafter[d.name].rate)
         for d in order:
             st = self.stats.by_drafter[d.name]
-            k = self._best_k(st.rate, limit)
+            k = self._best_k(st.rate, limit, getattr(d, "cost_per_token", 0.0))
             if k == 0 and self._plain_run >= self.PROBE_EVERY:
                 k = min(2, limit)
             if k == 0:
@@ -157,8 +166,5 @@ class PlainStepper:
 
     def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
         logits = self.engine._forward([tok], pos, cache=self.cache)
-        self.stats.verify_passes += 1
-        self.stats.emitted += 1
-        self.stats.plain_steps += 1
-        self.stats.cost += 1.0
+        self.stats.record_plain()
         return [sampler.sample(logits[-1])]

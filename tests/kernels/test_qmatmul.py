@@ -39,6 +39,11 @@ K_VALUES = {
 }
 # Agreement with x @ dequant(W).T, relative to sum_i |x_i| * |w_i| per output (fp32 sums in another order).
 RTOL = 1e-5
+# The VNNI path rounds activations to int16 per block of 32 (s = max|x|/32767): worst case ~1/65534 per
+# value of max|x| in its block, measured <= 2.7e-5 of sum|x*w| on these tests; weights are exact.
+RTOL_VNNI = 1e-4
+QUANT_TYPES = {uk.Q4_0, uk.Q4_1, uk.Q5_0, uk.Q8_0, uk.Q4_K, uk.Q6_K}
+_active = {"path": "avx512"}
 
 
 def _f16_bytes(rng, shape, lo, hi):
@@ -86,20 +91,28 @@ def num_threads(n: int):
         torch.set_num_threads(old)
 
 
-PATHS = ["avx512", "scalar"]
+PATHS = ["vnni", "avx512", "scalar"]  # avx512 = the AVX-512 fp32 path
 
 
 @pytest.fixture(params=PATHS)
 def path(request):
-    if request.param == "avx512" and not uk.load().avx512_supported():
+    if request.param != "scalar" and not uk.load().avx512_supported():
         pytest.skip("CPU without AVX-512")
-    uk.set_force_scalar(request.param == "scalar")
-    assert uk.avx512_active() == (request.param == "avx512")
+    if request.param == "vnni" and not uk.load().vnni_supported():
+        pytest.skip("CPU without AVX512-VNNI")
+    uk.set_kernels_path({"vnni": "auto", "avx512": "fp32", "scalar": "scalar"}[request.param])
+    assert uk.avx512_active() == (request.param != "scalar")
+    assert uk.path_in_use() == {"vnni": "vnni-int16", "avx512": "avx512-fp32", "scalar": "scalar"}[request.param]
+    _active["path"] = request.param
     yield request.param
-    uk.set_force_scalar(False)
+    _active["path"] = "avx512"
+    uk.set_kernels_path("auto")
 
 
-def _check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol: float = RTOL) -> None:
+def _check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol: float | None = None,
+                 qtype: int | None = None) -> None:
+    if rtol is None:
+        rtol = RTOL_VNNI if _active["path"] == "vnni" and qtype in QUANT_TYPES else RTOL
     ref = x.double() @ w.double().T
     scale = x.double().abs() @ w.double().abs().T
     err = (y.double() - ref).abs()
@@ -116,14 +129,14 @@ def _check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol: float 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: NAMES[t])
 def test_block_layouts_match_gguf(path, qtype):
     n = 37  # not a multiple of the kernel's row group
-    ks = K_VALUES[qtype] if path == "avx512" else K_VALUES[qtype][:3]
+    ks = K_VALUES[qtype] if path != "scalar" else K_VALUES[qtype][:3]
     for i, k in enumerate(ks):
         raw = random_weight(qtype, n, k, seed=i)
         w = dequant(raw, qtype, k)
         x = torch.randn(5, k, generator=torch.Generator().manual_seed(i))
         y = uk.qmatmul(x, torch.from_numpy(raw), qtype, k)
         assert y.shape == (5, n) and y.dtype == torch.float32
-        _check_close(y, x, w)
+        _check_close(y, x, w, qtype=qtype)
 
 
 @pytest.mark.parametrize("qtype", [uk.Q4_0, uk.Q4_1, uk.Q5_0, uk.Q8_0], ids=lambda t: NAMES[t])
@@ -135,13 +148,13 @@ def test_gguf_quantized_weights(path, qtype):
     assert raw.shape == (n, uk.row_bytes(qtype, k))
     w = dequant(raw, qtype, k)
     x = torch.randn(3, k)
-    _check_close(uk.qmatmul(x, torch.from_numpy(raw), qtype, k), x, w)
+    _check_close(uk.qmatmul(x, torch.from_numpy(raw), qtype, k), x, w, qtype=qtype)
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: NAMES[t])
 def test_qmatmul_batch_invariant(path, qtype):
-    k_in = K_VALUES[qtype][-1] if path == "avx512" else K_VALUES[qtype][1]
-    n = 35 if path == "avx512" else 19
+    k_in = K_VALUES[qtype][-1] if path != "scalar" else K_VALUES[qtype][1]
+    n = 35 if path != "scalar" else 19
     raw = torch.from_numpy(random_weight(qtype, n, k_in, seed=7))
     x = torch.randn(16, k_in, generator=torch.Generator().manual_seed(1))
     singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, qtype, k_in) for i in range(16)])
@@ -171,7 +184,7 @@ def test_qmatmul_long_blocks(path, qtype):
     y = uk.qmatmul(x, raw, qtype, k_in)
     singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, qtype, k_in) for i in range(37)])
     assert torch.equal(y, singles)
-    _check_close(y, x, dequant(raw.numpy(), qtype, k_in))
+    _check_close(y, x, dequant(raw.numpy(), qtype, k_in), qtype=qtype)
 
 
 def test_qmatmul_many_rows_thread_split(path):
@@ -184,7 +197,7 @@ def test_qmatmul_many_rows_thread_split(path):
     with num_threads(2):
         y2 = uk.qmatmul(x, raw, qtype, k_in)
     assert torch.equal(y1, y2)
-    _check_close(y2, x, dequant(raw.numpy(), qtype, k_in))
+    _check_close(y2, x, dequant(raw.numpy(), qtype, k_in), qtype=qtype)
 
 
 def test_qmatmul_concurrent_callers():
@@ -393,3 +406,17 @@ def test_build_is_cached():
     so = uk._home() / "torch_extensions" / name / f"{name}.so"
     assert so.exists()
     assert uk.load().__file__ == str(so)
+
+
+@pytest.mark.parametrize("qtype", [uk.Q4_0, uk.Q4_1, uk.Q5_0, uk.Q8_0, uk.Q4_K, uk.Q6_K], ids=lambda t: NAMES[t])
+def test_qmatmul_non_finite_inputs_propagate(path, qtype):
+    # a NaN or inf in an activation row makes that row's outputs NaN/inf, never silently finite
+    k_in = 512
+    raw = torch.from_numpy(random_weight(qtype, 7, k_in, seed=2))
+    x = torch.randn(3, k_in, generator=torch.Generator().manual_seed(5))
+    x[1, 100] = float("nan")
+    x[2, 300] = float("inf")
+    y = uk.qmatmul(x, raw, qtype, k_in)
+    assert torch.isfinite(y[0]).all()
+    assert not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).any()
+    assert torch.equal(y[0], uk.qmatmul(x[:1], raw, qtype, k_in)[0])

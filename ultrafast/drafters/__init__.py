@@ -23,7 +23,7 @@ class Drafter(Protocol):
         """The request is over; `context` is its prompt and full output."""
 
 
-def build_drafters(names: list, *, suffix_cache=None, draft_engine=None) -> list[Drafter]:
+def build_drafters(names: list, *, suffix_cache=None, draft_engine=None, draft_cost: float = 0.5) -> list[Drafter]:
     """Drafters by name (prompt_lookup, suffix, draft_model); Drafter objects pass through."""
     from .draft_model import DraftModelDrafter
     from .prompt_lookup import PromptLookupDrafter
@@ -40,7 +40,7 @@ def build_drafters(names: list, *, suffix_cache=None, draft_engine=None) -> list
         elif name == "draft_model":
             if draft_engine is None:
                 raise ValueError("the draft_model drafter needs a draft model (--draft-model)")
-            out.append(DraftModelDrafter(draft_engine))
+            out.append(DraftModelDrafter(draft_engine, draft_cost))
         else:
             raise ValueError(f"unknown drafter {name!r}; known: prompt_lookup, suffix, draft_model")
     return out

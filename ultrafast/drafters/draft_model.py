@@ -7,8 +7,9 @@ from __future__ import annotations
 class DraftModelDrafter:
     name = "draft_model"
 
-    def __init__(self, engine):
+    def __init__(self, engine, cost_per_token: float = 0.5):
         self.engine = engine
+        self.cost_per_token = cost_per_token  # one draft forward, in target 1-token forwards
         self.fed: list[int] = []  # tokens whose KV the draft model's cache holds, in order
 
     def begin(self, prompt_ids: list[int]) -> None:

@@ -1,6 +1,6 @@
 // ultrafast packed-weight kernels: torch bindings, input checks, threading, and the portable scalar
-// fallback. Compiled for the baseline ISA; the AVX-512 path lives in qmatmul_avx512.cpp and is chosen at
-// runtime.
+// fallback. Compiled for the baseline ISA; the AVX-512 fp32 path lives in qmatmul_avx512.cpp and the
+// AVX512-VNNI integer path (int16 activations, quantized types) in qmatmul_vnni.cpp, chosen at runtime.
 //
 // Batch invariance contract (both paths): each output element is computed by exactly one thread with a
 // sequence of floating-point operations that depends only on its own inputs (weight row, activation row,
@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "qmatmul_kernels.h"
@@ -23,10 +24,26 @@ namespace ultrafast {
 namespace {
 
 std::atomic<bool> g_force_scalar{false};
+std::atomic<bool> g_force_fp32{false};  // keep the quantized types on the AVX-512 fp32 path
 
 bool use_avx512() {
   static const bool ok = avx512_usable();
   return ok && !g_force_scalar.load(std::memory_order_relaxed);
+}
+
+// AVX512-VNNI integer path (qmatmul_vnni.cpp), for the quantized types it supports.
+bool vnni_on() {
+  static const bool ok = avx512_usable() && vnni_usable();
+  return ok && !g_force_scalar.load(std::memory_order_relaxed) && !g_force_fp32.load(std::memory_order_relaxed);
+}
+
+std::string path_in_use() { return vnni_on() ? "vnni-int16" : (use_avx512() ? "avx512-fp32" : "scalar"); }
+
+void set_kernels_path(const std::string& p) {
+  TORCH_CHECK_VALUE(p == "auto" || p == "vnni" || p == "fp32" || p == "scalar",
+                    "kernels path must be auto, vnni, fp32 or scalar, got '", p, "'");
+  g_force_scalar.store(p == "scalar");
+  g_force_fp32.store(p == "fp32");
 }
 
 struct TypeInfo {
@@ -301,6 +318,24 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  constexpr int64_t CH = 16;
+  const int64_t nch = (N + CH - 1) / CH;
+  if (qmm_vnni_supports((int)qtype) && vnni_on()) {
+    // int16 activations + exact integer dot products (qmatmul_vnni.cpp); prep per row (batch-invariant)
+    static thread_local Scratch scratch_v;
+    const int64_t xb = qmm_prep_bytes_vnni((int)qtype, K);
+    uint8_t* xg = reinterpret_cast<uint8_t*>(scratch_v.get((size_t)((k * xb + 3) / 4 + 16)));
+    at::parallel_for(0, k, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
+      qmm_prep_vnni((int)qtype, xp + r0 * K, r1 - r0, K, xg + r0 * xb);
+    });
+    const int64_t grain =
+        std::max<int64_t>(1, (48 * 1024) / std::max<int64_t>(1, CH * row_bytes * std::max<int64_t>(1, k / 4)));
+    at::parallel_for(0, nch, grain, [&](int64_t c0, int64_t c1) {
+      TORCH_CHECK(qmm_rows_vnni((int)qtype, xg, k, K, wp, rb, yp, N, c0 * CH, std::min(N, c1 * CH)),
+                  "qmatmul: out of memory");
+    });
+    return y;
+  }
   const bool avx = use_avx512();
   // AVX-512 path: permute/scale x once into the weights' lane order (per row, so batch-invariant), in
   // 64-byte aligned scratch (the kernel's full-vector loads of x' rely on that for speed).
@@ -319,8 +354,6 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t
   }
   // Tasks are chunks of 16 weight rows (the kernel's row group); aim for >= ~48 KiB of weight bytes per
   // task so small matrices do not pay for waking threads. Thread splits never change results.
-  constexpr int64_t CH = 16;
-  const int64_t nch = (N + CH - 1) / CH;
   const int64_t grain =
       std::max<int64_t>(1, (48 * 1024) / std::max<int64_t>(1, CH * row_bytes * std::max<int64_t>(1, k / 2)));
   at::parallel_for(0, nch, grain, [&](int64_t c0, int64_t c1) {
@@ -426,25 +459,39 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& kc, cons
 
 // ---------------------------------------------------------------------------------------------------
 // One whole decoder layer (pre-norm attention + SwiGLU feed-forward) for T rows, in a single call, so a
-// decode step costs one Python->C++ crossing per layer instead of ~20 small torch ops. Every stage is a
+// decode step costs one Python->C++ crossing per layer instead of ~20 small torch ops. The T rows may belong
+// to several sequences (segments of `lens` rows at positions starts[s].., each with its own KV cache): the
+// linears then read every weight once for all of them (continuous batching), attention runs per sequence.
+// Every stage is a
 // per-row computation whose arithmetic does not depend on T (the kernels above, and plain per-row loops
 // for bias, RoPE, the cache write, SiLU*up and the residual adds), so the layer stays batch-invariant.
 // Linears in `w`: wq, wk, wv, wo, w1 (gate), w3 (up), w2 (down); `bias` holds bq, bk, bv or is empty.
-torch::Tensor decoder_block(const torch::Tensor& x_in, int64_t start_pos, const torch::Tensor& attn_norm,
+torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t>& starts,
+                            const std::vector<int64_t>& lens, const torch::Tensor& attn_norm,
                             const torch::Tensor& ffn_norm, double eps, const std::vector<torch::Tensor>& w,
                             const std::vector<int64_t>& qt, const std::vector<torch::Tensor>& bias,
-                            const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& cos,
-                            const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads, int64_t hd, double scale) {
+                            const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
+                            const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads,
+                            int64_t hd, double scale) {
   TORCH_CHECK_VALUE(w.size() == 7 && qt.size() == 7, "decoder_block: expected 7 linears");
   TORCH_CHECK_VALUE(bias.empty() || bias.size() == 3, "decoder_block: expected 0 or 3 biases");
   TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "decoder_block: x must be fp32 [T, d]");
+  const size_t nseg = starts.size();
+  TORCH_CHECK_VALUE(nseg >= 1 && lens.size() == nseg && kcs.size() == nseg && vcs.size() == nseg,
+                    "decoder_block: one start, length, k cache and v cache per sequence");
   auto x = x_in.contiguous().clone();
   const int64_t T = x.size(0), d = x.size(1), nq = n_heads * hd, nkv = n_kv_heads * hd;
+  int64_t total = 0;
+  for (size_t s = 0; s < nseg; ++s) {
+    TORCH_CHECK_VALUE(lens[s] >= 1 && starts[s] >= 0, "decoder_block: bad sequence segment");
+    TORCH_CHECK_VALUE(kcs[s].size(0) == n_kv_heads && kcs[s].size(2) == hd && starts[s] + lens[s] <= kcs[s].size(1),
+                      "decoder_block: cache shape mismatch or positions past its end");
+    total += lens[s];
+  }
+  TORCH_CHECK_VALUE(total == T, "decoder_block: segment lengths must add up to the rows of x");
   TORCH_CHECK_VALUE(cos.size(0) == T && cos.size(1) == hd && sin.size(0) == T && sin.size(1) == hd &&
                         cos.is_contiguous() && sin.is_contiguous(),
                     "decoder_block: cos/sin must be contiguous [T, head_dim]");
-  TORCH_CHECK_VALUE(kc.size(0) == n_kv_heads && kc.size(2) == hd && start_pos + T <= kc.size(1),
-                    "decoder_block: cache shape mismatch or positions past its end");
   auto h = rmsnorm(x, attn_norm, eps);
   auto q = qmatmul(h, w[0], qt[0], d);
   auto k = qmatmul(h, w[1], qt[1], d);
@@ -478,16 +525,25 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, int64_t start_pos, const 
     for (int64_t hh = 0; hh < n_heads; ++hh) rope(qp + t * nq + hh * hd, cp + t * hd, sp + t * hd);
     for (int64_t hh = 0; hh < n_kv_heads; ++hh) rope(kp + t * nkv + hh * hd, cp + t * hd, sp + t * hd);
   }
-  // write this step's keys and values into the cache rows start_pos..start_pos+T-1
-  float* kcp = kc.data_ptr<float>();
-  float* vcp = vc.data_ptr<float>();
-  const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), vs0 = vc.stride(0), vs1 = vc.stride(1);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t hh = 0; hh < n_kv_heads; ++hh) {
-      std::memcpy(kcp + hh * ks0 + (start_pos + t) * ks1, kp + t * nkv + hh * hd, sizeof(float) * hd);
-      std::memcpy(vcp + hh * vs0 + (start_pos + t) * vs1, vp + t * nkv + hh * hd, sizeof(float) * hd);
-    }
-  auto att = attention(q.view({T, n_heads, hd}), kc, vc, start_pos, scale);
+  // per sequence: write its new keys and values into its cache rows start..start+len-1, then attend
+  auto att = torch::empty({T, n_heads, hd}, q.options());
+  auto qv = q.view({T, n_heads, hd});
+  int64_t row = 0;
+  for (size_t s = 0; s < nseg; ++s) {
+    const torch::Tensor& kc = kcs[s];
+    const torch::Tensor& vc = vcs[s];
+    float* kcp = kc.data_ptr<float>();
+    float* vcp = vc.data_ptr<float>();
+    const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), vs0 = vc.stride(0), vs1 = vc.stride(1);
+    for (int64_t t = row; t < row + lens[s]; ++t)
+      for (int64_t hh = 0; hh < n_kv_heads; ++hh) {
+        const int64_t p = starts[s] + (t - row);
+        std::memcpy(kcp + hh * ks0 + p * ks1, kp + t * nkv + hh * hd, sizeof(float) * hd);
+        std::memcpy(vcp + hh * vs0 + p * vs1, vp + t * nkv + hh * hd, sizeof(float) * hd);
+      }
+    att.narrow(0, row, lens[s]).copy_(attention(qv.narrow(0, row, lens[s]), kc, vc, starts[s], scale));
+    row += lens[s];
+  }
   auto o = qmatmul(att.view({T, nq}), w[3], qt[3], nq);
   float* xp = x.data_ptr<float>();
   const float* op = o.data_ptr<float>();
@@ -523,13 +579,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &ultrafast::attention, "causal GQA attention over a KV cache", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("start_pos"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("decoder_block", &ultrafast::decoder_block, "one decoder layer in one call", py::arg("x"),
-        py::arg("start_pos"), py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("eps"), py::arg("w"), py::arg("qt"),
-        py::arg("bias"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cos"), py::arg("sin"), py::arg("n_heads"),
+        py::arg("starts"), py::arg("lens"), py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("eps"), py::arg("w"),
+        py::arg("qt"), py::arg("bias"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"), py::arg("sin"),
+        py::arg("n_heads"),
         py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("avx512_supported", &ultrafast::avx512_usable, "whether this CPU can run the AVX-512 path");
   m.def("avx512_active", &ultrafast::use_avx512, "whether the AVX-512 path is in use");
   m.def("set_force_scalar", [](bool v) { ultrafast::g_force_scalar.store(v); },
         "force the portable scalar path (testing)");
+  m.def("vnni_supported", []() { return ultrafast::avx512_usable() && ultrafast::vnni_usable(); },
+        "whether this CPU can run the AVX512-VNNI integer path");
+  m.def("path_in_use", &ultrafast::path_in_use, "vnni-int16, avx512-fp32 or scalar");
+  m.def("set_kernels_path", &ultrafast::set_kernels_path, "auto, vnni (= auto), fp32 or scalar; process-wide");
   m.def("block_info", [](int64_t qtype) {
     ultrafast::TypeInfo ti;
     TORCH_CHECK_VALUE(ultrafast::type_info((int)qtype, &ti), "unsupported GGML type id ", qtype);

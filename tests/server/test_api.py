@@ -1,0 +1,460 @@
+"""The OpenAI-compatible API, driven by the official `openai` client against a real server (SmolLM2-135M)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from ultrafast.server.auth import KeyStore
+from ultrafast.server.db import Database
+from ultrafast.server.pricing import PriceTable
+
+from .conftest import EXE
+
+MODEL = "smollm2-135m"
+HELLO = [{"role": "user", "content": "What is the capital of France?"}]
+
+PRICES_TOML = """
+ultrafast_multiplier = 6
+[default]
+input = 1.0
+output = 2.0
+[models."smollm2-135m"]
+input = 0.5
+output = 1.5
+cached_input = 0.25
+"""
+
+
+@pytest.fixture(scope="module")
+def env(server_factory):
+    tmp = server_factory.tmp
+    db_path = str(tmp / "api.db")
+    prices = tmp / "prices.toml"
+    prices.write_text(PRICES_TOML)
+    store = KeyStore(Database(db_path))
+    keys = {
+        "std": store.create("standard-only", "standard")[0],
+        "all": store.create("both-tiers", "standard,ultrafast")[0],
+        "tpm": store.create("limited", "standard", tpm=120)[0],
+        "revoked": store.create("gone", "standard")[0],
+    }
+    store.revoke(keys["revoked"].split("-")[1])
+    srv = server_factory(db_path, "--require-keys", "--prices", str(prices), "--max-context", "512",
+                         "--slots", "2", "--max-queue", "2", "--max-body", "200000")
+    yield {"srv": srv, "db": db_path, "keys": keys, "prices": PriceTable.load(prices)}
+
+
+def client(env, key="all") -> openai.OpenAI:
+    return openai.OpenAI(base_url=env["srv"].base_url, api_key=env["keys"].get(key, key), max_retries=0, timeout=120)
+
+
+def raw(env, key="all", **kw) -> httpx.Client:
+    return httpx.Client(base_url=env["srv"].url, headers={"Authorization": f"Bearer {env['keys'].get(key, key)}"},
+                        timeout=120, **kw)
+
+
+def ledger_row(env, request_id: str) -> dict:
+    deadline = time.monotonic() + 5
+    while True:
+        with sqlite3.connect(env["db"]) as db:
+            db.row_factory = sqlite3.Row
+            row = db.execute("SELECT * FROM ledger WHERE request_id = ?", (request_id,)).fetchone()
+        if row is not None or time.monotonic() > deadline:
+            return dict(row) if row else None
+        time.sleep(0.05)
+
+
+def key_id(env, key: str) -> str:
+    return env["keys"][key].split("-")[1]
+
+
+def assert_serving(env):
+    r = client(env).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, temperature=0)
+    assert r.choices[0].message.content
+
+
+def chat(env, key="all", **kw):
+    args = dict(model=MODEL, messages=HELLO, max_tokens=16, temperature=0)
+    args.update(kw)
+    return client(env, key).chat.completions.create(**args)
+
+
+# ------------------------------------------------------------------------------------ the happy paths
+
+
+def test_models_and_openapi(env):
+    models = client(env).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    card = models.data[0].model_dump()
+    assert card["max_context"] == 512
+    assert card["pricing"]["ultrafast"]["output"] == pytest.approx(6 * 1.5)
+    spec = httpx.get(env["srv"].url + "/openapi.json").json()
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/usage"):
+        assert path in spec["paths"]
+    assert "ChatCompletionRequest" in json.dumps(spec["components"])
+
+
+def test_chat_usage_and_ledger_row_match(env):
+    r = chat(env, key="std")
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.service_tier == "standard" and r.model == MODEL
+    ch = r.choices[0]
+    assert ch.message.role == "assistant" and ch.message.content and ch.finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 5 and 1 <= u.completion_tokens <= 16
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens >= 0
+    ti = r.model_extra["time_info"]
+    assert ti["total_time"] >= ti["queue_time"] >= 0 and ti["prompt_time"] > 0 and ti["decode_tokens_per_s"] >= 0
+    row = ledger_row(env, r.id)
+    assert row["status"] == "finished" and row["key_id"] == key_id(env, "std") and row["tier"] == "standard"
+    assert (row["prompt_tokens"], row["cached_tokens"], row["completion_tokens"]) == \
+        (u.prompt_tokens, u.prompt_tokens_details.cached_tokens, u.completion_tokens)
+    expected = env["prices"].cost(MODEL, "standard", u.prompt_tokens, u.prompt_tokens_details.cached_tokens,
+                                  u.completion_tokens)
+    assert row["cost_usd"] == pytest.approx(expected) and expected > 0
+    assert row["model"] == MODEL and row["endpoint"] == "chat.completions" and row["n"] == 1
+
+
+def test_streaming_equals_non_streaming(env):
+    full = chat(env, max_tokens=24)
+    stream = client(env).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+    text, finish, usage, roles, tiers = "", None, None, 0, set()
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk" and chunk.id.startswith("chatcmpl-")
+        tiers.add(chunk.service_tier)
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+            assert chunk.model_extra["time_info"]["total_time"] > 0
+        for ch in chunk.choices:
+            roles += ch.delta.role == "assistant"
+            text += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+    assert text == full.choices[0].message.content
+    assert finish == full.choices[0].finish_reason and roles == 1 and tiers == {"standard"}
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: its rows were reused
+
+
+def test_tiers_greedy_identical_and_priced(env):
+    msgs = [{"role": "user", "content": "Write a Python function that returns the sum of a list."}]
+    std = chat(env, messages=msgs, max_tokens=40)
+    ultra = chat(env, messages=msgs, max_tokens=40, service_tier="ultrafast")
+    assert std.service_tier == "standard" and ultra.service_tier == "ultrafast"
+    assert ultra.choices[0].message.content == std.choices[0].message.content
+    assert ultra.usage.completion_tokens == std.usage.completion_tokens
+    assert ultra.model_extra["time_info"]["tau"] >= 1.0
+    auto_all = chat(env, max_tokens=2, service_tier="auto")
+    auto_std = chat(env, key="std", max_tokens=2, service_tier="auto")
+    assert auto_all.service_tier == "ultrafast" and auto_std.service_tier == "standard"
+    row = ledger_row(env, ultra.id)
+    assert row["tier"] == "ultrafast" and row["tau"] >= 1.0
+    u = ultra.usage
+    price = env["prices"]
+    assert row["cost_usd"] == pytest.approx(price.cost(MODEL, "standard", u.prompt_tokens,
+                                                       u.prompt_tokens_details.cached_tokens,
+                                                       u.completion_tokens) * 6)
+    # seeded sampling is the same in both tiers too
+    a = chat(env, messages=msgs, max_tokens=24, temperature=0.9, seed=11)
+    b = chat(env, messages=msgs, max_tokens=24, temperature=0.9, seed=11, service_tier="ultrafast")
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def _metric(env, name: str) -> float:
+    text = httpx.get(env["srv"].url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_n3_prefills_once(env):
+    shared0 = _metric(env, "ultrafast_shared_prefill_tokens_total")
+    msgs = [{"role": "user", "content": "Give me a name for a cat. Be creative, this is a brand new cat."}]
+    r = chat(env, messages=msgs, n=3, max_tokens=12, temperature=1.0, seed=5)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert all(c.message.content for c in r.choices)
+    assert len({c.message.content for c in r.choices}) >= 2  # different seeds per candidate
+    row = ledger_row(env, r.id)
+    assert row["n"] == 3 and row["prompt_tokens"] == r.usage.prompt_tokens
+    single = chat(env, messages=msgs, max_tokens=1)
+    assert r.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
+    assert r.usage.completion_tokens == row["completion_tokens"] <= 36
+    # the two siblings copied the prompt's rows instead of prefilling (2 slots: at least one at once)
+    assert _metric(env, "ultrafast_shared_prefill_tokens_total") > shared0
+    # same seeds: reproducible, streaming included
+    again = client(env).chat.completions.create(model=MODEL, messages=msgs, n=3, max_tokens=12, temperature=1.0,
+                                                seed=5, stream=True)
+    texts = {0: "", 1: "", 2: ""}
+    for chunk in again:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert [texts[i] for i in range(3)] == [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+
+
+def test_logprobs(env):
+    r = chat(env, max_tokens=12, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) >= 1 and len(content) <= r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].token == t.token  # greedy: the chosen token is the most likely
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+        assert bytes(t.bytes).decode() == t.token
+    # streaming gives the same entries
+    stream = client(env).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True)
+    streamed = [t for chunk in stream for ch in chunk.choices if ch.logprobs for t in ch.logprobs.content]
+    assert [(t.token, round(t.logprob, 5)) for t in streamed] == [(t.token, round(t.logprob, 5)) for t in content]
+    # the ultrafast tier reports the same logprobs
+    u = chat(env, max_tokens=12, logprobs=True, top_logprobs=3, service_tier="ultrafast")
+    assert [round(t.logprob, 4) for t in u.choices[0].logprobs.content] == [round(t.logprob, 4) for t in content]
+    # legacy completions logprobs
+    c = client(env).completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=6, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) >= 1
+    assert "".join(lp.tokens) == c.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_completions_and_prefix_cache(env):
+    c = client(env).completions.create(model=MODEL, prompt="The three primary colours are", max_tokens=8,
+                                       temperature=0)
+    assert c.object == "text_completion" and c.choices[0].text and c.usage.completion_tokens <= 8
+    assert ledger_row(env, c.id)["endpoint"] == "completions"
+    # an agent re-sending its growing conversation: the old part comes from the cache
+    convo = [{"role": "system", "content": "You are a helpful assistant who answers briefly. " * 8},
+             {"role": "user", "content": "Name a fruit."}]
+    first = chat(env, messages=convo, max_tokens=8)
+    convo += [{"role": "assistant", "content": first.choices[0].message.content},
+              {"role": "user", "content": "Another one?"}]
+    second = chat(env, messages=convo, max_tokens=8)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 2 and cached < second.usage.prompt_tokens
+    assert ledger_row(env, second.id)["cached_tokens"] == cached
+
+
+def test_stop_and_max_completion_tokens(env):
+    base = chat(env, max_tokens=24).choices[0].message.content
+    assert len(base) >= 12
+    stop = base[len(base) // 2:len(base) // 2 + 3]
+    r = chat(env, max_tokens=24, stop=[stop, "never-appears"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == base[:base.index(stop)]
+    r = chat(env, max_tokens=None, max_completion_tokens=4)
+    assert r.usage.completion_tokens <= 4
+    r = chat(env, max_tokens=None, max_completion_tokens=3, messages=[
+        {"role": "user", "content": "Write a very long essay about the history of Rome."}])
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_usage_endpoint_is_per_key(env):
+    with raw(env, "std") as h:
+        mine = h.get("/v1/usage").json()
+    assert mine["key_id"] == key_id(env, "std") and mine["total_requests"] >= 1
+    assert all(r["key_id"] == key_id(env, "std") for r in mine["data"])
+    with sqlite3.connect(env["db"]) as db:
+        n, cost = db.execute("SELECT COUNT(*), SUM(cost_usd) FROM ledger WHERE key_id = ?",
+                             (key_id(env, "std"),)).fetchone()
+    assert mine["total_requests"] == n and mine["total_cost_usd"] == pytest.approx(cost)
+    p = subprocess.run(EXE + ["usage", "--json", "--db", env["db"]], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout)
+    assert {r["tier"] for r in rows} == {"standard", "ultrafast"}
+    assert {r["key_name"] for r in rows} >= {"standard-only", "both-tiers"}
+
+
+def test_metrics(env):
+    chat(env, max_tokens=4, service_tier="ultrafast")
+    text = httpx.get(env["srv"].url + "/metrics").text
+    for name in ("ultrafast_requests_total", "ultrafast_tokens_total", "ultrafast_ttft_seconds_bucket",
+                 "ultrafast_inter_token_seconds_bucket", "ultrafast_queue_depth", "ultrafast_kv_slots_in_use",
+                 "ultrafast_spec_tau_bucket", "ultrafast_spec_accepted_tokens_total", "process_resident_memory_bytes"):
+        assert name in text, name
+    assert 'ultrafast_ttft_seconds_count{model="smollm2-135m",tier="ultrafast"}' in text
+
+
+def test_client_disconnect_frees_the_slot_and_is_billed_as_cancelled(env):
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with raw(env) as h:
+        with h.stream("POST", "/v1/chat/completions", json=body) as r:
+            rid = r.headers["x-request-id"]
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 12:
+                    break
+    row = ledger_row(env, rid)
+    assert row is not None and row["status"] == "cancelled" and 0 < row["completion_tokens"] < 400
+    deadline = time.monotonic() + 5
+    while _metric(env, "ultrafast_kv_slots_in_use") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(env, "ultrafast_kv_slots_in_use") == 0
+    assert_serving(env)
+
+
+# ------------------------------------------------------------------------------------ bad input and abuse
+
+
+def _error(resp: httpx.Response, status: int, code=None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+def test_malformed_bodies(env):
+    with raw(env) as h:
+        _error(h.post("/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={
+            "content-type": "application/json"}), 400, "invalid_json")
+        _error(h.post("/v1/chat/completions", content=b'["not", "an", "object"]',
+                      headers={"content-type": "application/json"}), 400)
+        bad_utf8 = b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
+        _error(h.post("/v1/chat/completions", content=bad_utf8, headers={"content-type": "application/json"}), 400)
+        for body, param in [
+            ({"model": MODEL, "messages": HELLO, "temperature": "hot"}, "temperature"),
+            ({"model": MODEL, "messages": "hello"}, "messages"),
+            ({"model": MODEL, "messages": HELLO, "n": 0}, "n"),
+            ({"model": MODEL, "messages": HELLO, "max_tokens": -1}, "max_tokens"),
+            ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+            ({"messages": HELLO}, "model"),
+            ({"model": MODEL, "messages": HELLO, "top_p": 0}, "top_p"),
+            ({"model": MODEL, "messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+            ({"model": MODEL, "messages": HELLO, "service_tier": "platinum"}, "service_tier"),
+            ({"model": MODEL, "messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
+        ]:
+            err = _error(h.post("/v1/chat/completions", json=body), 400)
+            assert err["param"] == param, (body, err)
+            assert err["type"] == "invalid_request_error"
+        _error(h.post("/v1/chat/completions", content=b"x" * 300_000, headers={"content-type": "application/json"}),
+               413)
+        _error(h.get("/v1/nowhere"), 404)
+    assert_serving(env)
+
+
+def test_unknown_model_and_context_limits(env):
+    c = client(env)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="gpt-5", messages=HELLO)
+    assert e.value.code == "model_not_found"
+    long = [{"role": "user", "content": "word " * 700}]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=long, max_tokens=4)
+    assert e.value.code == "context_length_exceeded" and "512" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=10_000)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt=[10**9], max_tokens=2)
+    assert_serving(env)
+
+
+def test_keys(env):
+    for key, code in [(None, "missing_api_key"), ("sk-wrong", "invalid_api_key"),
+                      ("uf-000000000000-nope", "invalid_api_key"), ("revoked", "revoked_api_key")]:
+        headers = {} if key is None else {"Authorization": f"Bearer {env['keys'].get(key, key)}"}
+        r = httpx.post(env["srv"].base_url + "/chat/completions", headers=headers,
+                       json={"model": MODEL, "messages": HELLO, "max_tokens": 2})
+        err = _error(r, 401, code)
+        assert err["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=env["srv"].base_url, api_key="uf-abc-def", max_retries=0).models.list()
+    # a key created and revoked with the CLI while the server runs
+    p = subprocess.run(EXE + ["keys", "create", "--name", "cli-key", "--tiers", "standard", "--db", env["db"]],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    secret = p.stdout.strip().splitlines()[0]
+    assert secret.startswith("uf-") and "shown only once" in p.stderr
+    assert chat(env, key=secret, max_tokens=2).choices[0].message.content is not None
+    listing = subprocess.run(EXE + ["keys", "list", "--json", "--db", env["db"]], capture_output=True, text=True,
+                             timeout=60)
+    assert secret not in listing.stdout and "cli-key" in listing.stdout
+    p = subprocess.run(EXE + ["keys", "revoke", secret.split("-")[1], "--db", env["db"]], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    with pytest.raises(openai.AuthenticationError):
+        chat(env, key=secret, max_tokens=2)
+    assert_serving(env)
+
+
+def test_tier_not_entitled(env):
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        chat(env, key="std", service_tier="ultrafast")
+    assert "sold separately" in e.value.message and e.value.code == "tier_not_entitled"
+    assert e.value.status_code == 403
+    assert chat(env, key="std", max_tokens=2).service_tier == "standard"
+
+
+def test_rate_limit(env):
+    msgs = [{"role": "user", "content": "Tell me a story about a robot."}]
+    first = chat(env, key="tpm", messages=msgs, max_tokens=80, extra_body={"ignore_eos": True})
+    assert first.usage.total_tokens > 100
+    with raw(env, "tpm") as h:
+        r = h.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 4})
+    err = _error(r, 429, "rate_limit_exceeded")
+    assert err["type"] == "rate_limit_error"
+    assert 1 <= int(r.headers["retry-after"]) <= 60
+    with pytest.raises(openai.RateLimitError):
+        chat(env, key="tpm", messages=msgs, max_tokens=4)
+    assert_serving(env)  # other keys are not affected
+
+
+def test_queue_full_gives_429(env):
+    """2 slots and a queue of 2: the fifth concurrent request is refused with Retry-After."""
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    stop = threading.Event()
+    statuses = []
+
+    def hold():
+        with raw(env) as h, h.stream("POST", "/v1/chat/completions", json=body) as r:
+            statuses.append(r.status_code)
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    break
+
+    threads = [threading.Thread(target=hold) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while (_metric(env, "ultrafast_kv_slots_in_use") < 2 or _metric(env, "ultrafast_queue_depth") < 2) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with raw(env) as h:
+            r = h.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
+        _error(r, 429, "queue_full")
+        assert int(r.headers["retry-after"]) >= 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert statuses == [200] * 4
+    assert_serving(env)
+
+
+def test_loadtest_command(env):
+    from ultrafast.server.loadtest import LoadTest
+
+    p = subprocess.run(EXE + ["loadtest", "--url", env["srv"].url, "--clients", "2", "--seconds", "3",
+                              "--max-tokens", "8", "--probe-tokens", "16", "--api-key", env["keys"]["all"],
+                              "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    assert rep["completed"] >= 1 and rep["errors"] == {}
+    assert rep["ttft"]["standard"]["p50_s"] > 0 and rep["ttft"]["standard"]["p99_s"] >= rep["ttft"]["standard"]["p50_s"]
+    assert rep["rss_bytes"]["start"] > 10_000_000 and rep["rss_bytes"]["end"] > 10_000_000
+    probe = rep["ultrafast_probe"]
+    assert probe["alone"]["tokens"] == 16 and probe["alone"]["tokens_per_s"] > 0 and probe["ratio"] > 0
+    text = LoadTest.format(rep)
+    assert "requests completed" in text and "TTFT standard" in text and "ratio" in text and "server RSS" in text

@@ -1,0 +1,468 @@
+"""Prices, keys, rate limits, the ledger and the scheduler's policy, without a server or a real model."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+
+import pytest
+import torch
+
+from ultrafast.engine import GenerationResult, StreamEvent
+from ultrafast.sampler import SamplingParams
+from ultrafast.server import ledger as ledger_mod
+from ultrafast.server.auth import (LOCAL_USER, KeyStore, Principal, RateLimiter, bearer_token, is_loopback,
+                                   parse_tiers, resolve_tier)
+from ultrafast.server.db import Database
+from ultrafast.server.errors import AuthError, InvalidRequest, QueueFull, RateLimited, TierNotEntitled
+from ultrafast.server.ledger import LedgerRow, LedgerWriter
+from ultrafast.server.metrics import ServerMetrics
+from ultrafast.server.pricing import PriceTable
+from ultrafast.server.scheduler import GenRequest, ModelWorker
+
+# ------------------------------------------------------------------------------------ pricing
+
+
+def test_builtin_prices_and_multiplier():
+    t = PriceTable.builtin()
+    std, uf = t.price("qwen2.5-coder-1.5b", "standard"), t.price("qwen2.5-coder-1.5b", "ultrafast")
+    assert uf.input == pytest.approx(6 * std.input) and uf.output == pytest.approx(6 * std.output)
+    assert std.cached_input == pytest.approx(std.input / 2)
+    assert t.price("some-other-model", "standard") == t.default
+    # (prompt - cached) * input + cached * cached_input + completion * output, per million
+    assert t.cost("qwen2.5-coder-1.5b", "standard", 1_000_000, 0, 0) == pytest.approx(std.input)
+    assert t.cost("qwen2.5-coder-1.5b", "standard", 100, 40, 10) == pytest.approx(
+        (60 * std.input + 40 * std.cached_input + 10 * std.output) / 1e6)
+    assert t.cost("qwen2.5-coder-1.5b", "ultrafast", 100, 40, 10) == pytest.approx(
+        6 * t.cost("qwen2.5-coder-1.5b", "standard", 100, 40, 10))
+    with pytest.raises(ValueError):
+        t.price("m", "gold")
+
+
+def test_prices_from_toml_and_json(tmp_path):
+    toml = tmp_path / "p.toml"
+    toml.write_text('ultrafast_multiplier = 4\n[default]\ninput = 1\noutput = 2\n'
+                    '[models.m1]\ninput = 0.5\noutput = 1.0\ncached_input = 0.1\n'
+                    '[models.m1.ultrafast]\ninput = 3\noutput = 5\n')
+    t = PriceTable.load(toml)
+    assert t.price("m1", "standard").cached_input == 0.1
+    assert t.price("m1", "ultrafast").input == 3 and t.price("m1", "ultrafast").output == 5
+    assert t.price("m2", "ultrafast").output == pytest.approx(8)
+    js = tmp_path / "p.json"
+    js.write_text(json.dumps({"default": {"input": 1, "output": 1}, "models": {"m": {"input": 2, "output": 3}}}))
+    t = PriceTable.load(js)
+    assert t.multiplier == 6 and t.price("m", "ultrafast").output == pytest.approx(18)
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("[default]\ninput = -1\noutput = 1\n", "non-negative"),
+    ("[default]\ninput = 1\n", "needs 'output'"),
+    ("colour = 1\n", "unknown top-level"),
+    ("{not json", "not valid JSON"),
+    ("[default\n", "not valid TOML"),
+    ('[models.m]\ninput = "cheap"\noutput = 1\n', "non-negative number"),
+])
+def test_bad_price_files(tmp_path, text, msg):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=msg):
+        PriceTable.load(f)
+    with pytest.raises(ValueError, match="cannot read"):
+        PriceTable.load(tmp_path / "missing.toml")
+
+
+# ------------------------------------------------------------------------------------ keys and tiers
+
+
+def test_keys_hashed_verified_revoked(tmp_path):
+    db_path = tmp_path / "k.db"
+    store = KeyStore(Database(db_path))
+    secret, rec = store.create("alice", "standard,ultrafast", tpm=1000)
+    assert secret.startswith(f"uf-{rec['key_id']}-") and rec["tiers"] == ["standard", "ultrafast"]
+    p = store.verify(secret)
+    assert p.key_id == rec["key_id"] and p.tiers == {"standard", "ultrafast"} and p.tpm == 1000
+    raw = sqlite3.connect(db_path).execute("SELECT * FROM api_keys").fetchall()
+    assert secret not in repr(raw) and secret.split("-", 2)[2] not in repr(raw)  # only the hash is stored
+    for bad in (secret + "x", secret[:-1], "uf-" + rec["key_id"], "sk-123", "", f"uf-nope-{secret[-10:]}"):
+        with pytest.raises(AuthError):
+            store.verify(bad)
+    store.revoke(rec["key_id"])
+    with pytest.raises(AuthError, match="revoked"):
+        store.verify(secret)
+    assert store.list()[0]["status"] == "revoked"
+    with pytest.raises(ValueError):
+        store.revoke("nonexistent")
+    with pytest.raises(ValueError):
+        store.create("bob", "gold")
+    with pytest.raises(ValueError):
+        store.create("", "standard")
+
+
+def test_tiers_and_helpers():
+    std = Principal("k1", "n", frozenset({"standard"}))
+    both = Principal("k2", "n", frozenset({"standard", "ultrafast"}))
+    assert resolve_tier(None, std) == "standard" and resolve_tier("auto", std) == "standard"
+    assert resolve_tier("auto", both) == "ultrafast" and resolve_tier("ultrafast", both) == "ultrafast"
+    assert resolve_tier("auto", LOCAL_USER) == "ultrafast"
+    with pytest.raises(TierNotEntitled, match="sold separately"):
+        resolve_tier("ultrafast", std)
+    with pytest.raises(InvalidRequest):
+        resolve_tier("gold", both)
+    assert parse_tiers("ultrafast, standard") == ["standard", "ultrafast"]
+    with pytest.raises(ValueError):
+        parse_tiers("")
+    assert bearer_token("Bearer abc") == "abc" and bearer_token("Basic abc") is None and bearer_token(None) is None
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5") and not is_loopback("example.com")
+
+
+def test_rate_limiter_window_retry_after_refund():
+    now = [1000.0]
+    rl = RateLimiter(clock=lambda: now[0])
+    p = Principal("k", "n", frozenset({"standard"}), tpm=100)
+    rl.admit(p, 30)
+    rl.record(p, 50)  # the completion
+    now[0] += 10
+    with pytest.raises(RateLimited) as e:
+        rl.admit(p, 30)  # 80 used + 30 > 100
+    assert e.value.status == 429 and 49 <= e.value.retry_after <= 51  # the first 30 expire at t=1060
+    assert e.value.headers()["Retry-After"] in ("49", "50", "51")
+    res = rl.admit(p, 20)  # 80 + 20 fits exactly
+    rl.refund(p, res)
+    rl.admit(p, 20)
+    with pytest.raises(RateLimited, match="too large"):
+        rl.admit(p, 101)
+    now[0] += 61
+    rl.admit(p, 90)  # the window has moved on
+    rl.admit(Principal("free", "n", frozenset({"standard"})), 10**9)  # no limit on this key
+    rl.admit(LOCAL_USER, 10**9)
+
+
+# ------------------------------------------------------------------------------------ ledger
+
+
+def _row(i: int, key="k1", tier="standard", status="finished", cost=0.001, ts=None) -> LedgerRow:
+    return LedgerRow(request_id=f"r{i}", key_id=key, model="m", tier=tier, endpoint="chat.completions",
+                     prompt_tokens=10, cached_tokens=4, completion_tokens=5, cost_usd=cost, queue_s=0.01,
+                     total_s=0.5, status=status, ttft_s=0.1, ts=ts or time.time())
+
+
+def test_ledger_writer_and_usage(tmp_path):
+    db = Database(tmp_path / "l.db").init()
+    assert db.query("PRAGMA journal_mode")[0]["journal_mode"] == "wal"
+    KeyStore(db).db.execute("INSERT INTO api_keys VALUES ('k1', 'alice', 'h', 'standard', NULL, 0, NULL)")
+    w = LedgerWriter(db)
+    day1 = time.mktime((2025, 3, 1, 12, 0, 0, 0, 0, 0))
+    futs = [w.submit(_row(0, ts=day1)), w.submit(_row(1, tier="ultrafast", cost=0.006)),
+            w.submit(_row(2, status="cancelled")), w.submit(_row(3, key=None))]
+    for f in futs:
+        assert f.result(5) is True
+    with pytest.raises(Exception):  # the same request id twice is refused: one row per request
+        w.submit(_row(0)).result(5)
+    w.close()
+    rows = ledger_mod.rows(db)
+    assert [r["request_id"] for r in rows] == ["r0", "r1", "r2", "r3"]
+    assert rows[0]["day"] == "2025-03-01"
+    rep = ledger_mod.usage(db)
+    assert sum(r["requests"] for r in rep) == 4
+    alice = ledger_mod.usage(db, key_id="k1", all_keys=False)
+    assert {(r["tier"], r["requests"], r["cancelled"]) for r in alice if r["day"] != "2025-03-01"} == \
+        {("standard", 1, 1), ("ultrafast", 1, 0)}
+    assert all(r["key_name"] == "alice" for r in alice)
+    local = ledger_mod.usage(db, key_id=None, all_keys=False)
+    assert len(local) == 1 and local[0]["key_name"] == "local"
+    text = ledger_mod.format_usage(rep)
+    assert "alice (k1)" in text and "total: $" in text
+    assert ledger_mod.usage(db, since_day="2100-01-01") == []
+    with pytest.raises(ValueError):
+        ledger_mod.insert_row(db, _row(9, status="weird"))
+
+
+# ------------------------------------------------------------------------------------ scheduler (fake engine)
+
+
+class FakeCache:
+    def __init__(self, n=64):
+        self.k = torch.zeros(1, 1, n, 1)
+        self.v = torch.zeros(1, 1, n, 1)
+        self.tokens: list[int] = []
+
+    def reusable_prefix(self, prompt):
+        n = 0
+        for a, b in zip(self.tokens, prompt[:-1]):
+            if a != b:
+                break
+            n += 1
+        return n
+
+
+class FakeEngine:
+    """Yields max_tokens tokens; logs (request tag, event) so tests can see the scheduling order."""
+
+    max_context = 64
+
+    def __init__(self):
+        self.cache = FakeCache()
+        self.log: list[tuple] = []
+        self.closed: list = []
+        self.lock = threading.Lock()
+
+    def new_cache(self):
+        return FakeCache()
+
+    def stepper(self, tier):
+        return None
+
+    def describe(self):
+        return {}
+
+    def stream(self, prompt, params, tier="standard", cache=None):
+        reused = cache.reusable_prefix(prompt)
+        tag = prompt[0]
+        out = []
+        try:
+            self.log.append((tag, "prefill", reused))
+            cache.k[0, 0, reused:len(prompt)] = torch.tensor(prompt[reused:], dtype=torch.float32)[:, None]
+            cache.tokens = cache.tokens[:reused]
+            for i in range(params.max_tokens):
+                if i:
+                    self.log.append((tag, "step"))
+                out.append(100 + i)
+                yield StreamEvent(100 + i, "x")
+        finally:
+            cache.tokens = list(prompt) + out
+            if len(out) < params.max_tokens:
+                self.closed.append(tag)
+        return GenerationResult(token_ids=out, text="x" * len(out), prompt_tokens=len(prompt),
+                                completion_tokens=len(out), finish_reason="length", ttft_s=0.001, decode_s=0.001,
+                                weight_bytes_per_token=1, cached_tokens=reused, tier=tier,
+                                spec={"tau": 1.5, "verify_passes": 1, "drafters": {}} if tier == "ultrafast" else {})
+
+
+def _worker(tmp_path, engine, slots=1, max_queue=8, weight=2):
+    db = Database(tmp_path / "s.db").init()
+    return ModelWorker("fake", None, slots=slots, max_queue=max_queue, ultrafast_weight=weight,
+                       metrics=ServerMetrics(process=False), ledger=LedgerWriter(db), prices=PriceTable.builtin(),
+                       limiter=RateLimiter(), warmup=False, engine_factory=lambda: engine), db
+
+
+def _request(prompt, tokens=3, tier="standard", n=1):
+    msgs, done = [], threading.Event()
+
+    def emit(m):
+        msgs.append(m)
+        if m[0] == "done":
+            done.set()
+
+    req = GenRequest(model="fake", tier=tier, endpoint="completions", principal=LOCAL_USER, prompts=[prompt],
+                     make_params=lambda g, i: SamplingParams(max_tokens=tokens), n=n, emit=emit)
+    req.msgs, req.done = msgs, done
+    return req
+
+
+def test_ultrafast_first_and_more_often(tmp_path):
+    eng = FakeEngine()
+    w, _ = _worker(tmp_path, eng, slots=2)
+    a, b, u = _request([1, 9], 6), _request([2, 9], 6), _request([3, 9], 6, tier="ultrafast")
+    for r in (a, b, u):
+        w.submit(r)
+    with pytest.raises(QueueFull):
+        for i in range(10):
+            w.submit(_request([50 + i, 9]))
+    w.start()
+    w.wait_ready(10)
+    for r in (a, b, u):
+        assert r.done.wait(10)
+    w.stop()
+    order = [tag for tag, *_ in eng.log]
+    assert order[0] == 3 and eng.log[0][1] == "prefill"  # the ultrafast request is admitted first
+    assert order.index(1) < order.index(2)  # then the standard ones, first come first served
+    # two steps per round for ultrafast: it ends well before the standard one it ran beside
+    assert max(i for i, t in enumerate(order) if t == 3) < max(i for i, t in enumerate(order) if t == 1)
+    assert order[:6] == [3, 3, 1, 3, 3, 1]
+
+
+def test_longest_prefix_slot_and_cancel(tmp_path):
+    eng = FakeEngine()
+    w, db = _worker(tmp_path, eng, slots=2)
+    w.start()
+    w.wait_ready(10)
+    w.slots[0].cache.tokens = [7, 1, 1, 1]
+    w.slots[1].cache.tokens = [7, 8, 9, 10]
+    r = _request([7, 8, 9, 10, 11], 2)
+    w.submit(r)
+    assert r.done.wait(10)
+    assert eng.log[0] == (7, "prefill", 4)
+    summary = r.msgs[-1][1]
+    assert summary["cached_tokens"] == 4 and summary["status"] == "finished"
+    # cancel a long one: generator closed, slot freed, one ledger row "cancelled"
+    long = _request([5, 5, 5], 10_000)
+    w.submit(long)
+    while not any(t == 5 for t, *_ in eng.log):
+        time.sleep(0.01)
+    w.cancel(long)
+    assert long.done.wait(10)
+    assert eng.closed == [5] and all(s.owner is None for s in w.slots)
+    w.stop()
+    w.ledger.close()
+    rows = ledger_mod.rows(db)
+    assert [(r["request_id"], r["status"]) for r in rows] == [(r.id, "finished"), (long.id, "cancelled")]
+    assert 0 < rows[1]["completion_tokens"] < 10_000
+
+
+def test_n_candidates_copy_the_prefill(tmp_path):
+    eng = FakeEngine()
+    w, _ = _worker(tmp_path, eng, slots=3)
+    w.start()
+    w.wait_ready(10)
+    prompt = [4, 11, 12, 13, 14, 15]
+    r = _request(prompt, 3, n=3)
+    w.submit(r)
+    assert r.done.wait(10)
+    w.stop()
+    prefills = [e for e in eng.log if e[1] == "prefill"]
+    # the first candidate computes the prompt; the two siblings find its rows already copied in
+    assert prefills == [(4, "prefill", 0), (4, "prefill", 5), (4, "prefill", 5)]
+    assert all(torch.equal(s.cache.k[0, 0, :5, 0], torch.tensor(prompt[:5], dtype=torch.float32)) for s in w.slots)
+    done = [m for m in r.msgs if m[0] == "choice_done"]
+    assert sorted(m[1] for m in done) == [0, 1, 2]
+    assert r.msgs[-1][1]["prompt_tokens"] == len(prompt) and r.msgs[-1][1]["completion_tokens"] == 9
+
+
+def test_keys_required_off_loopback():
+    from ultrafast.server.app import ServerConfig, model_name
+
+    assert not ServerConfig(models=[], host="127.0.0.1").keys_required
+    assert ServerConfig(models=[], host="127.0.0.1", require_keys=True).keys_required
+    assert ServerConfig(models=[], host="0.0.0.0").keys_required
+    assert model_name("smollm2-135m") == "smollm2-135m" and model_name("/x/y/My-Model.Q4.gguf") == "My-Model.Q4"
+    assert model_name("/models/hf-folder") == "hf-folder"
+
+
+def test_model_name_of_a_folder(tmp_path):
+    from ultrafast.server.app import model_name
+
+    d = tmp_path / "Qwen2.5-Coder-0.5B"
+    d.mkdir()
+    assert model_name(str(d)) == "Qwen2.5-Coder-0.5B"
+
+
+class _Tok:
+    eos_ids = frozenset()
+
+    def token_str(self, i):
+        return "x"
+
+
+class BrokenEngine(FakeEngine):
+    """Loads, tokenizes, then fails inside generation: the server must answer 500 in OpenAI's shape,
+    keep serving, and bill the request as failed."""
+
+    tokenizer = _Tok()
+
+    class config:
+        vocab_size = 1000
+
+    def chat_prompt(self, messages):
+        return [1, 2, 3]
+
+    def raw_prompt(self, text):
+        return [1, 2]
+
+    def stream(self, prompt, params, tier="standard", cache=None):
+        if prompt == [1, 2, 3]:
+            raise RuntimeError("boom")
+        return (yield from super().stream(prompt, params, tier, cache))
+
+
+def test_internal_error_is_500_and_billed_as_failed(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from ultrafast.server.app import ServerConfig, create_app
+
+    db = tmp_path / "e.db"
+    app = create_app(ServerConfig(models=[("fake", None)], db=str(db), warmup=False,
+                                  engine_factories={"fake": BrokenEngine}))
+    with TestClient(app) as tc:
+        r = tc.post("/v1/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and "boom" in err["message"] and err["code"] == "generation_failed"
+        with tc.stream("POST", "/v1/chat/completions", json={"model": "fake", "stream": True,
+                                                              "messages": [{"role": "user", "content": "x"}]}) as s:
+            lines = [x for x in s.iter_lines() if x.startswith("data: ")]
+        assert "boom" in lines[-2] and lines[-1] == "data: [DONE]"
+        ok = tc.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "xxx"
+    rows = sqlite3.connect(db).execute("SELECT status FROM ledger ORDER BY id").fetchall()
+    assert rows == [("failed",), ("failed",), ("finished",)]
+
+
+class FakeGeneration:
+    """The Generation interface (prefill / plain_input / advance / take_events / done / result / close)."""
+
+    def __init__(self, engine, prompt, params, tier, cache):
+        self.engine, self.prompt, self.params, self.tier, self.cache = engine, prompt, params, tier, cache
+        self.sampler = None
+        self.out, self.events, self.done, self.result = [], [], False, None
+
+    def prefill(self):
+        self.engine.log.append((self.prompt[0], "prefill"))
+        self._emit()
+
+    def plain_input(self):
+        return [self.out[-1]], len(self.prompt) + len(self.out) - 1, self.cache
+
+    def advance(self, logits=None):
+        self.engine.log.append((self.prompt[0], "batched" if logits is not None else "own"))
+        self._emit()
+
+    def _emit(self):
+        self.out.append(100 + len(self.out))
+        self.events.append(StreamEvent(self.out[-1], "y"))
+        if len(self.out) == self.params.max_tokens:
+            self.done = True
+            self.result = GenerationResult(token_ids=list(self.out), text="y" * len(self.out),
+                                           prompt_tokens=len(self.prompt), completion_tokens=len(self.out),
+                                           finish_reason="length", ttft_s=0.001, decode_s=0.001,
+                                           weight_bytes_per_token=1, tier=self.tier)
+
+    def take_events(self):
+        ev, self.events = self.events, []
+        return ev
+
+    def close(self):
+        pass
+
+
+class BatchingEngine(FakeEngine):
+    def __init__(self):
+        super().__init__()
+        self.batches: list[int] = []
+
+    def start(self, prompt, params, tier="standard", cache=None):
+        return FakeGeneration(self, prompt, params, tier, cache)
+
+    def forward_batch(self, seqs):
+        self.batches.append(len(seqs))
+        return torch.zeros(len(seqs), 4)
+
+
+def test_standard_steps_are_batched(tmp_path):
+    eng = BatchingEngine()
+    w, _ = _worker(tmp_path, eng, slots=4)
+    reqs = [_request([i, 9], 5) for i in (1, 2, 3)] + [_request([4, 9], 5, tier="ultrafast")]
+    for r in reqs:
+        w.submit(r)
+    w.start()
+    w.wait_ready(10)
+    for r in reqs:
+        assert r.done.wait(10)
+        assert r.msgs[-1][1]["completion_tokens"] == 5
+    w.stop()
+    # the three standard requests share one pass per round; the ultrafast one steps on its own
+    assert eng.batches == [3, 3, 3, 3]
+    assert [e for e in eng.log if e[0] == 4].count((4, "own")) == 4
+    assert not any(e[1] == "own" for e in eng.log if e[0] != 4)

@@ -1,0 +1,178 @@
+"""One request's decoding state, advanced a pass at a time.
+
+`Engine.stream` drives a single `Generation` as a generator. A scheduler may instead drive many: it asks
+each plain-stepping generation for its next input (`plain_input`), runs them all in one pass over the
+weights (`Engine.forward_batch`: continuous batching) and hands each its row of logits (`advance`).
+Because the packed kernels compute every row independently of the others, a request's tokens are the
+same whether it ran alone or batched.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampler import Sampler, SamplingParams
+
+
+@dataclass
+class StreamEvent:
+    token_id: int
+    text: str  # newly completed text (may be empty while a UTF-8 sequence or a possible stop string is pending)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # the generated tokens, without a final EOS
+    text: str
+    prompt_tokens: int
+    completion_tokens: int  # tokens sampled, an EOS that ended the generation included
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    ttft_s: float
+    decode_s: float
+    weight_bytes_per_token: int
+    cached_tokens: int = 0  # prompt tokens whose KV rows were reused from the cache
+    tier: str = "standard"
+    spec: dict = field(default_factory=dict)  # tau, verify passes, acceptance per drafter
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # the first token comes out of the prefill; the decode rate counts the tokens after it
+        n = len(self.token_ids) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return (self.prompt_tokens - self.cached_tokens) / self.ttft_s if self.ttft_s > 0 else 0.0
+
+    @property
+    def achieved_gb_per_s(self) -> float:
+        return self.decode_tokens_per_s * self.weight_bytes_per_token / 1e9
+
+    def to_json(self) -> dict:
+        return {
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "completion_tokens": self.completion_tokens,
+            "finish_reason": self.finish_reason,
+            "ttft_s": round(self.ttft_s, 6),
+            "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+            "weight_bytes_per_token": self.weight_bytes_per_token,
+            "achieved_gb_per_s": round(self.achieved_gb_per_s, 3),
+            "tier": self.tier,
+            **self.spec,
+        }
+
+
+def _find_stop(text: str, stops: list[str], emitted: int) -> int | None:
+    """Index where the earliest stop string starts in the not-yet-emitted tail of text, if any."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, emitted - len(s) + 1))
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best
+
+
+class Generation:
+    def __init__(self, engine, prompt_ids: list[int], params: SamplingParams, stepper, cache, tier: str):
+        engine.check_prompt(prompt_ids)
+        self.engine, self.prompt, self.params, self.stepper, self.cache, self.tier = \
+            engine, list(prompt_ids), params, stepper, cache, tier
+        self.sampler = Sampler(params, prompt_ids)
+        self.eos = set() if params.ignore_eos else engine.tokenizer.eos_ids
+        self.budget = min(params.max_tokens, engine.max_context - len(prompt_ids))
+        self.decoder = engine.tokenizer.stream_decoder()
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.out_ids: list[int] = []
+        self.text, self.emitted = "", 0  # text decoded so far; how much of it has gone out in events
+        self.events: list[StreamEvent] = []
+        self.finish: str | None = None
+        self.result: GenerationResult | None = None
+        self.pos = 0  # where the next fed token goes (rows below it hold prompt + output)
+        self.n_sampled = 0
+        self.reused = 0
+        self.t0 = self.ttft = 0.0
+        self._closed = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def prefill(self) -> None:
+        self.t0 = time.perf_counter()
+        self.stepper.begin(self.prompt)
+        self.reused = self.cache.reusable_prefix(self.prompt)
+        self.cache.tokens = self.cache.tokens[:self.reused]  # rows past this are about to be overwritten
+        logits = self.engine._forward(self.prompt[self.reused:], self.reused, cache=self.cache)
+        self.pos = len(self.prompt)
+        tok = self.sampler.sample(logits[-1])
+        self.ttft = time.perf_counter() - self.t0
+        self._take([tok])
+
+    def plain_input(self) -> tuple[list[int], int, object]:
+        """The next plain step's input (tokens, start position, cache), for a batched pass."""
+        return [self.out_ids[-1]], self.pos, self.cache
+
+    def advance(self, logits: torch.Tensor | None = None) -> None:
+        """One pass: this generation's own step (plain or speculative), or the logits row a batched pass
+        computed for `plain_input()`."""
+        if logits is None:
+            new = self.stepper.step(self.out_ids[-1], self.pos, self.sampler, self.budget - len(self.out_ids))
+        else:
+            new = [self.sampler.sample(logits)]
+            self.stepper.stats.record_plain()
+        self.pos += len(new)
+        self._take(new)
+
+    def take_events(self) -> list[StreamEvent]:
+        ev, self.events = self.events, []
+        return ev
+
+    def _take(self, new: list[int]) -> None:
+        p = self.params
+        for tok in new:
+            self.n_sampled += 1
+            if tok in self.eos:
+                self.finish = "stop"
+                break
+            self.out_ids.append(tok)
+            self.text += self.decoder.push(tok)
+            stop_at = _find_stop(self.text, p.stop, self.emitted)
+            if stop_at is not None:
+                self.text, self.finish = self.text[:stop_at], "stop"
+                break
+            safe = len(self.text) - self.hold if p.stop else len(self.text)
+            self.events.append(StreamEvent(tok, self.text[self.emitted:safe] if safe > self.emitted else ""))
+            self.emitted = max(self.emitted, safe)
+            if len(self.out_ids) >= self.budget:
+                self.finish = "length"
+                break
+        if self.finish is not None:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.close()
+        self.stepper.end(self.prompt + self.out_ids)
+        if self.finish == "length":
+            self.text += self.decoder.flush()
+        if len(self.text) > self.emitted:
+            self.events.append(StreamEvent(self.out_ids[-1] if self.out_ids else -1, self.text[self.emitted:]))
+            self.emitted = len(self.text)
+        self.result = GenerationResult(
+            token_ids=self.out_ids, text=self.text, prompt_tokens=len(self.prompt),
+            completion_tokens=self.n_sampled, finish_reason=self.finish, ttft_s=self.ttft,
+            decode_s=time.perf_counter() - self.t0 - self.ttft, cached_tokens=self.reused,
+            weight_bytes_per_token=self.engine.weight_bytes_per_token, tier=self.tier,
+            spec=self.stepper.stats.to_json())
+
+    def close(self) -> None:
+        """Record which rows the cache now holds truthfully; safe to call early (a client went away)."""
+        if not self._closed:
+            self._closed = True
+            self.cache.tokens = (self.prompt + self.out_ids)[:self.pos]

@@ -1,0 +1,512 @@
+// AVX512-VNNI integer kernels: fused GGUF dequantize + matmul with int16 activations.
+//
+// Compiled for the baseline ISA like the rest of the extension; the code below is enabled with a target
+// pragma and only called after a runtime CPU check (vnni_usable()). No torch / standard-library header is
+// included (see qmatmul_kernels.h).
+//
+// Numerics. Each activation row is quantized once per call, per block of 32 values, to int16:
+// s_b = max|x| / 32767 (fp32), x_i = rint(x_i / s_b) (saturated), plus the exact integer block sums
+// xsum_b = sum x_i. The weights stay exactly the file's: the small unsigned integers q of each block
+// (Q4: 0..15, Q5_0: 0..31, Q6_K: 0..63, Q8_0: signed int8) are widened to int16 and multiplied with
+// vpdpwssd (int16 x int16 pairs summed into int32 lanes: exact). Per block the integer dot product
+// isum = sum q_i * x_i (with the block's integer offset folded in exactly: Q4_0 -8*xsum, Q5_0 -16*xsum,
+// Q6_K -32*xsum per 16-value scale group) is converted to fp32 and applied as
+//     acc += (d_w * s_b) * isum            (d_w: the block's fp32 scale as ggml computes it, e.g. d*sc)
+// and the fp32 offsets/mins as acc += m * (s_b * xsum) (Q4_1) or acc -= (dmin*m) * (s_b * xsum) (Q4_K).
+// The only approximation is the int16 rounding of x (relative error ~1e-5 of sum |x*w| at worst).
+//
+// Lane layout. A "group" is 128 values: 4 blocks of 32 (Q6_K: 8 scale groups of 16, see KQ6K). Its weights
+// are decoded into 4 int16 vectors in which 128-bit lane i holds values of block bm(i) only, so after the
+// 4 vpdpwssd int32 lanes 4i..4i+3 hold partial sums of block bm(i) (Q6_K: lanes 4i, 4i+1 and 4i+2, 4i+3
+// two scale groups). The activation prep writes x in exactly that order, with per-lane vectors of s_b,
+// the integer offsets (one lane per block) and s_b * xsum_b (lane 4i only).
+//
+// Batch invariance: every output y[r][n] is one fixed sequence of operations that depends only on
+// (qtype, K, weight row n, activation row r): per group int32 lanes start from the row's offset vector,
+// NV vpdpwssd (exact), one convert, one mul (d_w * s), one fma into the row's own fp32 accumulator, then
+// (Q4_1/Q4_K) one fma for the mins; groups in order; a fixed horizontal sum at the end. The tile size R,
+// the row range and the thread never change that sequence; the unit is built with -ffp-contract=off.
+#include "qmatmul_kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#endif
+
+#include <immintrin.h>
+
+#define UF_INLINE inline __attribute__((always_inline))
+
+namespace ultrafast {
+namespace {
+
+UF_INLINE float h2f(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+  return _cvtsh_ss(h);  // exact
+}
+UF_INLINE uint16_t rd16(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+  return h;
+}
+UF_INLINE uint32_t rd32(const uint8_t* p) {
+  uint32_t h;
+  __builtin_memcpy(&h, p, 4);
+  return h;
+}
+UF_INLINE __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+UF_INLINE __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Four 16-byte pieces `stride` bytes apart -> one vector (piece b in 128-bit lane b).
+UF_INLINE __m512i load4x16(const uint8_t* p, int stride) {
+  __m512i z = _mm512_castsi128_si512(load128(p));
+  z = _mm512_inserti32x4(z, load128(p + stride), 1);
+  z = _mm512_inserti32x4(z, load128(p + 2 * stride), 2);
+  z = _mm512_inserti32x4(z, load128(p + 3 * stride), 3);
+  return z;
+}
+
+// Lane 4i+j <- v[idx_i] for a 4-float vector v (as 16 lanes), idx given by the permute index.
+UF_INLINE __m512 spread4(__m128 v) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                               _mm512_castps128_ps512(v));
+}
+
+// Per-row, per-group activation data (layout written by prep, read by the kernels).
+//   xq[NV]: int16 x in the weights' lane order; s: s_b on lanes 4i..4i+3; ioff: integer offset on lane 4i
+//   (0 elsewhere); xsf: s_b * xsum_b on lane 4i (0 elsewhere).
+template <int NV>
+struct XG {
+  __m512i xq[NV];
+  __m512 s;
+  __m512i ioff;
+  __m512 xsf;
+};
+
+// Quantize 32 values to int16 (s = max|x| / 32767, q = rint(x / s)); returns s, writes q and the sum.
+// A block holding a NaN or an infinity gets s = NaN (and q = 0), so the outputs it feeds become NaN as on
+// the fp32 path instead of silently finite.
+UF_INLINE float quant32(const float* x, int16_t* q, int32_t* sum) {
+  float mx = 0.0f;
+  bool bad = false;
+  for (int i = 0; i < 32; ++i) {
+    const float a = __builtin_fabsf(x[i]);
+    bad |= !(a <= __FLT_MAX__);
+    mx = a > mx ? a : mx;
+  }
+  if (bad) {
+    for (int i = 0; i < 32; ++i) q[i] = 0;
+    *sum = 0;
+    return __builtin_nanf("");
+  }
+  const float s = mx / 32767.0f;
+  int32_t t = 0;
+  for (int i = 0; i < 32; ++i) {
+    int v = 0;
+    if (s > 0.0f) {
+      float f = __builtin_rintf(x[i] / s);
+      f = f > 32767.0f ? 32767.0f : (f < -32767.0f ? -32767.0f : f);
+      v = (int)f;
+    }
+    q[i] = (int16_t)v;
+    t += v;
+  }
+  *sum = t;
+  return s;
+}
+
+// ---- kernel types ------------------------------------------------------------------------------------
+// Each: NV, GV (values per group), KB/KBYTES (values/bytes of one kernel block = GPK groups),
+// PARTIAL_UNIT/_BYTES (a row whose K is not a multiple of KB ends in a partial kernel block decoded from a
+// zero-padded copy), IOFF (integer offset multiplier, 0 none), MINS (0 none, +1 Q4_1, -1 Q4_K), BM (lane
+// block map), and decode(p, g, W, dvec, mvec) for group g of the kernel block at p.
+
+// Q4_0, Q4_1, Q5_0, Q8_0: kernel block = one group = 4 GGUF blocks of 32
+template <int QT>
+struct K32 {
+  static constexpr int BB = QT == QT_Q4_0 ? 18 : QT == QT_Q4_1 ? 20 : QT == QT_Q5_0 ? 22 : 34;
+  static constexpr int NV = 4, GV = 128, GPK = 1, KB = 128, KBYTES = 4 * BB, UNIT = 32, UNIT_BYTES = BB;
+  static constexpr int IOFF = QT == QT_Q4_0 ? -8 : QT == QT_Q5_0 ? -16 : 0;
+  static constexpr int MINS = QT == QT_Q4_1 ? 1 : 0;
+  static UF_INLINE int bm(int i) { return i; }
+  static UF_INLINE void decode(const uint8_t* p, int, __m512i* W, __m512& dvec, __m512& mvec) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m128i hv = _mm_setr_epi16((short)rd16(p), (short)rd16(p + BB), (short)rd16(p + 2 * BB),
+                                      (short)rd16(p + 3 * BB), 0, 0, 0, 0);
+    dvec = spread4(_mm_cvtph_ps(hv));
+    if constexpr (QT == QT_Q4_1) {
+      const __m128i mv = _mm_setr_epi16((short)rd16(p + 2), (short)rd16(p + BB + 2), (short)rd16(p + 2 * BB + 2),
+                                        (short)rd16(p + 3 * BB + 2), 0, 0, 0, 0);
+      mvec = spread4(_mm_cvtph_ps(mv));
+    } else {
+      mvec = _mm512_setzero_ps();
+    }
+    if constexpr (QT == QT_Q8_0) {
+      const __m512i Z0 = load4x16(p + 2, BB), Z1 = load4x16(p + 18, BB);
+      W[0] = _mm512_srai_epi16(_mm512_unpacklo_epi8(Z0, Z0), 8);
+      W[1] = _mm512_srai_epi16(_mm512_unpackhi_epi8(Z0, Z0), 8);
+      W[2] = _mm512_srai_epi16(_mm512_unpacklo_epi8(Z1, Z1), 8);
+      W[3] = _mm512_srai_epi16(_mm512_unpackhi_epi8(Z1, Z1), 8);
+    } else {
+      constexpr int QOFF = QT == QT_Q4_0 ? 2 : QT == QT_Q4_1 ? 4 : 6;
+      const __m512i Z = load4x16(p + QOFF, BB);
+      const __m512i m0f = _mm512_set1_epi8(0x0F);
+      __m512i L = _mm512_and_si512(Z, m0f);
+      __m512i H = _mm512_and_si512(_mm512_srli_epi16(Z, 4), m0f);
+      if constexpr (QT == QT_Q5_0) {
+        uint64_t mlo = 0, mhi = 0;
+        for (int b = 0; b < 4; ++b) {
+          const uint32_t qh = rd32(p + b * BB + 2);
+          mlo |= (uint64_t)(qh & 0xFFFFu) << (16 * b);
+          mhi |= (uint64_t)(qh >> 16) << (16 * b);
+        }
+        const __m512i b16 = _mm512_set1_epi8(0x10);
+        L = _mm512_or_si512(L, _mm512_maskz_mov_epi8((__mmask64)mlo, b16));
+        H = _mm512_or_si512(H, _mm512_maskz_mov_epi8((__mmask64)mhi, b16));
+      }
+      W[0] = _mm512_unpacklo_epi8(L, zero);
+      W[1] = _mm512_unpackhi_epi8(L, zero);
+      W[2] = _mm512_unpacklo_epi8(H, zero);
+      W[3] = _mm512_unpackhi_epi8(H, zero);
+    }
+  }
+};
+
+// Q4_K: kernel block = super-block of 256 (144 bytes) = 2 groups of 4 sub-blocks of 32.
+struct KQ4K {
+  static constexpr int NV = 4, GV = 128, GPK = 2, KB = 256, KBYTES = 144, UNIT = 256, UNIT_BYTES = 144;
+  static constexpr int IOFF = 0, MINS = -1;
+  static UF_INLINE int bm(int i) { return i == 1 ? 2 : (i == 2 ? 1 : i); }  // lanes hold sub-blocks 0,2,1,3
+  static UF_INLINE __m512 scales(const uint8_t* p) {
+    const uint32_t s0 = rd32(p + 4), s1 = rd32(p + 8), s2 = rd32(p + 12);
+    const uint32_t u0 = s0 & 0x3f3f3f3fu;
+    const uint32_t u1 = (s2 & 0x0f0f0f0fu) | (((s0 >> 6) & 0x03030303u) << 4);
+    const uint32_t u2 = s1 & 0x3f3f3f3fu;
+    const uint32_t u3 = ((s2 >> 4) & 0x0f0f0f0fu) | (((s1 >> 6) & 0x03030303u) << 4);
+    const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_setr_epi32((int)u0, (int)u1, (int)u2, (int)u3)));
+    const int hd2 = (int)rd32(p);
+    const __m512 dd = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                            _mm512_zextps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(hd2))));
+    return _mm512_mul_ps(sm, dd);  // [d*sc0..7, dmin*m0..7], as ggml
+  }
+  static UF_INLINE void decode(const uint8_t* p, int c, __m512i* W, __m512& dvec, __m512& mvec) {
+    const __m512 dm = scales(p);
+    const int b = 4 * c;
+    dvec = _mm512_permutexvar_ps(_mm512_setr_epi32(b, b, b, b, b + 2, b + 2, b + 2, b + 2, b + 1, b + 1, b + 1, b + 1,
+                                                   b + 3, b + 3, b + 3, b + 3),
+                                 dm);
+    mvec = _mm512_permutexvar_ps(_mm512_setr_epi32(b + 8, b + 8, b + 8, b + 8, b + 10, b + 10, b + 10, b + 10, b + 9,
+                                                   b + 9, b + 9, b + 9, b + 11, b + 11, b + 11, b + 11),
+                                 dm);
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i m0f = _mm512_set1_epi8(0x0F);
+    const __m512i Q = _mm512_loadu_si512(p + 16 + 64 * c);
+    const __m512i L = _mm512_and_si512(Q, m0f);
+    const __m512i H = _mm512_and_si512(_mm512_srli_epi16(Q, 4), m0f);
+    const __m512i P = _mm512_shuffle_i64x2(L, H, _MM_SHUFFLE(2, 0, 2, 0));   // values 0..15 of sb 0,2,1,3
+    const __m512i Qv = _mm512_shuffle_i64x2(L, H, _MM_SHUFFLE(3, 1, 3, 1));  // values 16..31
+    W[0] = _mm512_unpacklo_epi8(P, zero);
+    W[1] = _mm512_unpackhi_epi8(P, zero);
+    W[2] = _mm512_unpacklo_epi8(Qv, zero);
+    W[3] = _mm512_unpackhi_epi8(Qv, zero);
+  }
+};
+
+// Q6_K: kernel block = super-block of 256 (210 bytes) = 2 groups of 128 values (one half each: 8 scale groups
+// of 16). In a half, byte vectors A (values 0..63) and B (64..127) hold one scale group per 128-bit lane i
+// (A: group i, B: group 4+i); interleaving their 64-bit pieces gives int16 vectors whose int32 lanes 4i, 4i+1
+// belong to group i and 4i+2, 4i+3 to group 4+i, so one int32 accumulator covers all 8 groups of the half.
+struct KQ6K {
+  static constexpr int NV = 4, GV = 128, GPK = 2, KB = 256, KBYTES = 210, UNIT = 256, UNIT_BYTES = 210;
+  static constexpr int IOFF = -32, MINS = 0;
+  static UF_INLINE int bm(int i) { return i; }  // (prep has its own layout for Q6_K)
+  static UF_INLINE void decode(const uint8_t* p, int h, __m512i* W, __m512& dvec, __m512& mvec) {
+    const __m512 dsc =
+        _mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192))));
+    const int b = 8 * h;
+    dvec = _mm512_permutexvar_ps(_mm512_setr_epi32(b, b, b + 4, b + 4, b + 1, b + 1, b + 5, b + 5, b + 2, b + 2, b + 6,
+                                                   b + 6, b + 3, b + 3, b + 7, b + 7),
+                                 dsc);
+    mvec = _mm512_setzero_ps();
+    const __m512i m0f = _mm512_set1_epi8(0x0F), m3f = _mm512_set1_epi8(0x3F);
+    const __m512i QL = _mm512_loadu_si512(p + 64 * h);
+    __m512i QHx = _mm512_broadcast_i64x4(load256(p + 128 + 32 * h));
+    QHx = _mm512_mask_srli_epi16(QHx, (__mmask32)0xFFFF0000u, QHx, 2);
+    const __m512i A = _mm512_and_si512(_mm512_ternarylogic_epi32(m0f, QL, _mm512_slli_epi16(QHx, 4), 0xCA), m3f);
+    const __m512i B = _mm512_and_si512(_mm512_ternarylogic_epi32(m0f, _mm512_srli_epi16(QL, 4), QHx, 0xCA), m3f);
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i Al = _mm512_unpacklo_epi8(A, zero), Ah = _mm512_unpackhi_epi8(A, zero);
+    const __m512i Bl = _mm512_unpacklo_epi8(B, zero), Bh = _mm512_unpackhi_epi8(B, zero);
+    W[0] = _mm512_unpacklo_epi64(Al, Bl);
+    W[1] = _mm512_unpackhi_epi64(Al, Bl);
+    W[2] = _mm512_unpacklo_epi64(Ah, Bh);
+    W[3] = _mm512_unpackhi_epi64(Ah, Bh);
+  }
+};
+
+// ---- activation prep --------------------------------------------------------------------------------
+
+// 32-value-block types (incl. Q4_K): group G covers blocks 4G..4G+3 (those < nblk); lane i <- block bm(i).
+template <class T>
+void prep_row32(const float* x, int64_t K, uint8_t* out) {
+  const int64_t nblk = K / 32, ng = (nblk + 3) / 4;
+  for (int64_t G = 0; G < ng; ++G) {
+    XG<4>* g = reinterpret_cast<XG<4>*>(out + G * sizeof(XG<4>));
+    alignas(64) int16_t xq[4][32];
+    alignas(64) float s[16], xsf[16];
+    alignas(64) int32_t io[16];
+    for (int i = 0; i < 4; ++i) {
+      const int64_t blk = 4 * G + T::bm(i);
+      int16_t q[32];
+      int32_t sum = 0;
+      float sb = 0.0f;
+      if (blk < nblk) {
+        sb = quant32(x + 32 * blk, q, &sum);
+      } else {
+        for (int j = 0; j < 32; ++j) q[j] = 0;
+      }
+      for (int v = 0; v < 4; ++v)
+        for (int j = 0; j < 8; ++j) xq[v][8 * i + j] = q[8 * v + j];
+      for (int j = 0; j < 4; ++j) {
+        s[4 * i + j] = sb;
+        io[4 * i + j] = 0;
+        xsf[4 * i + j] = 0.0f;
+      }
+      io[4 * i] = T::IOFF * sum;
+      xsf[4 * i] = sb * (float)sum;
+    }
+    for (int v = 0; v < 4; ++v) g->xq[v] = _mm512_load_si512(xq[v]);
+    g->s = _mm512_load_ps(s);
+    g->ioff = _mm512_load_si512(io);
+    g->xsf = _mm512_load_ps(xsf);
+  }
+}
+
+// Q6_K: group G covers values 128G..128G+127 (half a super-block). Vector v, 128-bit lane i, word w holds
+// value 16i + 4v + w (w < 4, scale group i) or 64 + 16i + 4v + (w - 4) (scale group 4 + i).
+void prep_row_q6k(const float* x, int64_t K, uint8_t* out) {
+  for (int64_t G = 0; G < K / 128; ++G) {
+    XG<4>* g = reinterpret_cast<XG<4>*>(out + G * sizeof(XG<4>));
+    int16_t q[128];
+    float sb[4];
+    for (int b = 0; b < 4; ++b) {
+      int32_t unused;
+      sb[b] = quant32(x + 128 * G + 32 * b, q + 32 * b, &unused);
+    }
+    alignas(64) int16_t xq[4][32];
+    alignas(64) float s[16], xsf[16];
+    alignas(64) int32_t io[16];
+    for (int v = 0; v < 4; ++v)
+      for (int i = 0; i < 4; ++i)
+        for (int w = 0; w < 8; ++w) xq[v][8 * i + w] = q[w < 4 ? 16 * i + 4 * v + w : 64 + 16 * i + 4 * v + (w - 4)];
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 4; ++j) {
+        const int start = j < 2 ? 16 * i : 64 + 16 * i;
+        int32_t gs = 0;
+        for (int t = 0; t < 16; ++t) gs += q[start + t];
+        s[4 * i + j] = sb[start / 32];
+        io[4 * i + j] = (j & 1) ? 0 : -32 * gs;
+        xsf[4 * i + j] = 0.0f;
+      }
+    for (int v = 0; v < 4; ++v) g->xq[v] = _mm512_load_si512(xq[v]);
+    g->s = _mm512_load_ps(s);
+    g->ioff = _mm512_load_si512(io);
+    g->xsf = _mm512_load_ps(xsf);
+  }
+}
+
+// ---- driver -----------------------------------------------------------------------------------------
+
+constexpr int RMAX = 6;
+
+template <class T, int R>
+UF_INLINE void kblock(const uint8_t* p, const uint8_t* xg, int64_t ldx, __m512* acc) {
+  using X = XG<T::NV>;
+#pragma GCC unroll 4
+  for (int g = 0; g < T::GPK; ++g) {
+    __m512i W[T::NV];
+    __m512 dvec, mvec;
+    T::decode(p, g, W, dvec, mvec);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const X* xr = reinterpret_cast<const X*>(xg + r * ldx) + g;
+      __m512i ia = T::IOFF ? xr->ioff : _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int v = 0; v < T::NV; ++v) ia = _mm512_dpwssd_epi32(ia, W[v], xr->xq[v]);
+      const __m512 t = _mm512_mul_ps(dvec, xr->s);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), t, acc[r]);
+      if constexpr (T::MINS > 0) acc[r] = _mm512_fmadd_ps(mvec, xr->xsf, acc[r]);
+      if constexpr (T::MINS < 0) acc[r] = _mm512_fnmadd_ps(mvec, xr->xsf, acc[r]);
+    }
+  }
+}
+
+// Kernel blocks [b0, b1) of one weight row for R activation rows; the accumulators live in st (st[r]) between
+// K panels (an exact round trip through memory). b1 may include the partial last kernel block (b == nfull).
+template <class T, int R>
+__attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t K, int64_t b0, int64_t b1,
+                                   const uint8_t* __restrict xg, int64_t ldx, __m512* st) {
+  const int64_t nfull = K / T::KB;
+  constexpr int64_t XB = (int64_t)sizeof(XG<T::NV>) * T::GPK;  // x bytes per kernel block
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = st[r];
+  const int64_t bf = b1 < nfull ? b1 : nfull;
+  for (int64_t b = b0; b < bf; ++b) kblock<T, R>(wr + b * T::KBYTES, xg + b * XB, ldx, acc);
+  if (b1 > nfull) {  // partial last kernel block from a zero-padded copy (x is zero-padded too)
+    const int64_t nunits = (K - nfull * T::KB) / T::UNIT;
+    alignas(64) uint8_t buf[T::KBYTES + 64];
+    for (int i = 0; i < T::KBYTES + 64; ++i) buf[i] = 0;
+    __builtin_memcpy(buf, wr + nfull * T::KBYTES, (size_t)(nunits * T::UNIT_BYTES));
+    kblock<T, R>(buf, xg + nfull * XB, ldx, acc);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) st[r] = acc[r];
+}
+
+constexpr int G = 16;  // weight rows per row group
+
+// Weight rows are visited in groups of G; K is cut into panels so that the prepared x of one row chunk
+// (up to RMAX rows) stays in L1 while the G weight rows sweep it. With one activation row the whole row
+// is one panel (x streams from L2 fast enough, and the weights stream from memory without gaps).
+template <class T>
+bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
+          int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nkb = (K + T::KB - 1) / T::KB;
+  constexpr int64_t XB = (int64_t)sizeof(XG<T::NV>) * T::GPK;
+  const int64_t nchunk = (k + RMAX - 1) / RMAX;
+  const int64_t rper = (k + nchunk - 1) / nchunk;  // rows per chunk, balanced
+  int64_t PB = k <= 1 ? nkb : (16 * 1024) / (XB * rper);
+  if (PB < 1) PB = 1;
+  alignas(64) __m512 st[G * 16];
+  __m512* stp = st;
+  void* mem = nullptr;
+  if (k > 16) {
+    mem = __builtin_malloc(sizeof(__m512) * (size_t)(G * k) + 64);
+    if (!mem) return false;
+    stp = reinterpret_cast<__m512*>(((uintptr_t)mem + 63) & ~(uintptr_t)63);
+  }
+  for (int64_t n = n0; n < n1; n += G) {
+    const int64_t g = n1 - n < G ? n1 - n : G;
+    for (int64_t i = 0; i < g * k; ++i) stp[i] = _mm512_setzero_ps();
+    const uint8_t* wg = w + n * rb;
+    if (nkb > PB && n + G < n1) {  // panels read the rows with gaps: prefetch the next group into L2
+      const uint8_t* nx = wg + G * rb;
+      const int64_t gn = n1 - (n + G) < G ? n1 - (n + G) : G;
+      for (int64_t off = 0; off < gn * rb; off += 64) _mm_prefetch((const char*)(nx + off), _MM_HINT_T1);
+    }
+    for (int64_t b0 = 0; b0 < nkb; b0 += PB) {
+      const int64_t b1 = b0 + PB < nkb ? b0 + PB : nkb;
+      for (int64_t r0 = 0; r0 < k; r0 += rper) {
+        const int64_t rr = k - r0 < rper ? k - r0 : rper;
+        const uint8_t* xr = xg + r0 * ldx;
+        for (int64_t j = 0; j < g; ++j) {
+          const uint8_t* wr = wg + j * rb;
+          __m512* s = stp + j * k + r0;
+          switch (rr) {
+            case 1: run<T, 1>(wr, K, b0, b1, xr, ldx, s); break;
+            case 2: run<T, 2>(wr, K, b0, b1, xr, ldx, s); break;
+            case 3: run<T, 3>(wr, K, b0, b1, xr, ldx, s); break;
+            case 4: run<T, 4>(wr, K, b0, b1, xr, ldx, s); break;
+            case 5: run<T, 5>(wr, K, b0, b1, xr, ldx, s); break;
+            default: run<T, 6>(wr, K, b0, b1, xr, ldx, s); break;
+          }
+        }
+      }
+    }
+    for (int64_t j = 0; j < g; ++j)
+      for (int64_t r = 0; r < k; ++r) y[r * ldy + n + j] = _mm512_reduce_add_ps(stp[j * k + r]);
+  }
+  if (mem) __builtin_free(mem);
+  return true;
+}
+
+template <class T>
+int64_t row_bytes_x(int64_t K) {
+  const int64_t nkb = (K + T::KB - 1) / T::KB;
+  return nkb * T::GPK * (int64_t)sizeof(XG<T::NV>);
+}
+
+}  // namespace
+
+#define UF_VNNI_DISPATCH(qtype, CALL)                       \
+  switch (qtype) {                                          \
+    case QT_Q4_0: { using T = K32<QT_Q4_0>; CALL; break; }  \
+    case QT_Q4_1: { using T = K32<QT_Q4_1>; CALL; break; }  \
+    case QT_Q5_0: { using T = K32<QT_Q5_0>; CALL; break; }  \
+    case QT_Q8_0: { using T = K32<QT_Q8_0>; CALL; break; }  \
+    case QT_Q4_K: { using T = KQ4K; CALL; break; }          \
+    case QT_Q6_K: { using T = KQ6K; CALL; break; }          \
+    default: break;                                         \
+  }
+
+bool vnni_usable() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("avx2");
+}
+
+bool qmm_vnni_supports(int qtype) {
+  switch (qtype) {
+    case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q8_0: case QT_Q4_K: case QT_Q6_K: return true;
+    default: return false;
+  }
+}
+
+int64_t qmm_prep_bytes_vnni(int qtype, int64_t K) {
+  int64_t n = 0;
+  UF_VNNI_DISPATCH(qtype, n = row_bytes_x<T>(K))
+  return n;
+}
+
+void qmm_prep_vnni(int qtype, const float* x, int64_t k, int64_t K, uint8_t* xg) {
+  const int64_t ldx = qmm_prep_bytes_vnni(qtype, K);
+  for (int64_t r = 0; r < k; ++r) {
+    uint8_t* o = xg + r * ldx;
+    if (qtype == QT_Q6_K) {
+      prep_row_q6k(x + r * K, K, o);
+    } else if (qtype == QT_Q4_K) {
+      prep_row32<KQ4K>(x + r * K, K, o);
+    } else {
+      UF_VNNI_DISPATCH(qtype, prep_row32<T>(x + r * K, K, o))
+    }
+  }
+}
+
+bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
+                   int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t ldx = qmm_prep_bytes_vnni(qtype, K);
+  bool ok = false;
+  UF_VNNI_DISPATCH(qtype, ok = rows<T>(xg, ldx, k, K, w, rb, y, ldy, n0, n1))
+  return ok;
+}
+
+}  // namespace ultrafast
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#else  // not x86-64 GCC/clang
+
+namespace ultrafast {
+bool vnni_usable() { return false; }
+bool qmm_vnni_supports(int) { return false; }
+int64_t qmm_prep_bytes_vnni(int, int64_t) { return 0; }
+void qmm_prep_vnni(int, const float*, int64_t, int64_t, uint8_t*) {}
+bool qmm_rows_vnni(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t,
+                   int64_t) {
+  return false;
+}
+}  // namespace ultrafast
+
+#endif

@@ -1,0 +1,180 @@
+"""`ultrafast serve`, `ultrafast keys`, `ultrafast usage`, `ultrafast loadtest`: added to the main parser by
+`add_commands`. Heavy imports (torch, fastapi, uvicorn) happen inside the commands that need them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ..registry import DEFAULT_MODEL, MODELS
+
+
+def _db_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", default=None,
+                   help="SQLite file or postgresql:// URL (default $ULTRAFAST_HOME/ultrafast.db)")
+
+
+def add_commands(sub) -> None:
+    s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    s.add_argument("--model", action="append", default=None, metavar="M",
+                   help=f"a pulled name ({', '.join(MODELS)}) or a GGUF/HF path; repeatable, each served under "
+                        f"its name (registry name or file stem) (default {DEFAULT_MODEL})")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; keys are required "
+                                                       "on any non-loopback address)")
+    s.add_argument("--port", type=int, default=8000)
+    _db_arg(s)
+    s.add_argument("--require-keys", action="store_true", help="require API keys on loopback too")
+    s.add_argument("--prices", default=None, help="price table, TOML or JSON (default: built-in prices)")
+    s.add_argument("--slots", type=int, default=4, help="KV cache slots per model = requests generating at once "
+                                                        "(default 4)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting per model before 429 (default 64)")
+    s.add_argument("--max-context", type=int, default=None, help="KV cache size per slot in tokens (default 4096)")
+    s.add_argument("--max-body", type=int, default=8 * 1024 * 1024, help="largest request body in bytes (413 past)")
+    s.add_argument("--ultrafast-weight", type=int, default=4,
+                   help="steps an ultrafast request advances per scheduling round to a standard one's 1 (default 4)")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    s.add_argument("--threads", type=int, default=None,
+                   help="compute threads per model (default: torch's, one per core); fewer than the cores leaves "
+                        "room for the HTTP side")
+    s.add_argument("--no-warmup", action="store_true", help="skip measuring r(k) for the ultrafast tier at start")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(fn=cmd_serve)
+
+    k = sub.add_parser("keys", help="create, list and revoke API keys")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    c = ksub.add_parser("create", help="create a key (the secret is printed once)")
+    c.add_argument("--name", required=True)
+    c.add_argument("--tiers", default="standard", help="comma-separated: standard[,ultrafast] (default standard)")
+    c.add_argument("--tpm", type=int, default=None, help="tokens per minute limit (default: none)")
+    c.add_argument("--json", action="store_true")
+    _db_arg(c)
+    c.set_defaults(fn=cmd_keys_create)
+    ls = ksub.add_parser("list", help="list keys (never their secrets)")
+    ls.add_argument("--json", action="store_true")
+    _db_arg(ls)
+    ls.set_defaults(fn=cmd_keys_list)
+    r = ksub.add_parser("revoke", help="revoke a key by id")
+    r.add_argument("key_id")
+    _db_arg(r)
+    r.set_defaults(fn=cmd_keys_revoke)
+
+    u = sub.add_parser("usage", help="spend per key, model, tier and day, from the ledger")
+    u.add_argument("--json", action="store_true")
+    u.add_argument("--key", default=None, help="only this key id")
+    u.add_argument("--since", default=None, help="only days >= YYYY-MM-DD")
+    _db_arg(u)
+    u.set_defaults(fn=cmd_usage)
+
+    lt = sub.add_parser("loadtest", help="concurrent streaming clients against a running server (loopback)")
+    lt.add_argument("--url", default="http://127.0.0.1:8000")
+    lt.add_argument("--clients", type=int, default=32)
+    lt.add_argument("--seconds", type=float, default=30)
+    lt.add_argument("--model", default=None, help="default: the server's first model")
+    lt.add_argument("--tier-mix", default="standard=1",
+                    help="share of clients per tier, e.g. standard=0.75,ultrafast=0.25 (default standard=1)")
+    lt.add_argument("--max-tokens", type=int, default=64)
+    lt.add_argument("--api-key", default=None, help="default: $ULTRAFAST_API_KEY or none")
+    lt.add_argument("--probe-tokens", type=int, default=96,
+                    help="tokens of the ultrafast probe, alone and under load (0: skip)")
+    lt.add_argument("--json", action="store_true", help="print the results as JSON")
+    lt.set_defaults(fn=cmd_loadtest)
+
+
+def cmd_serve(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from ..pull import resolve_model
+    from .app import ServerConfig, create_app, model_name
+
+    models = []
+    for m in args.model or [DEFAULT_MODEL]:
+        path = resolve_model(m)
+        models.append((model_name(m), path))
+    config = ServerConfig(models=models, host=args.host, port=args.port, db=args.db, require_keys=args.require_keys,
+                          prices=args.prices, slots=args.slots, max_queue=args.max_queue,
+                          max_context=args.max_context, max_body_bytes=args.max_body,
+                          ultrafast_weight=args.ultrafast_weight, device=args.device, warmup=not args.no_warmup,
+                          threads=args.threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(config)
+    srv = app.state.server
+    try:
+        srv.start()  # load the models now, so that a model that cannot load is an `error:` line, not a traceback
+    except RuntimeError:
+        srv.stop()
+        raise
+    print(f"ultrafast serve: models {', '.join(n for n, _ in models)} on http://{args.host}:{args.port}/v1; "
+          f"database {srv.db.describe()}; keys {'required' if config.keys_required else 'not required (local mode)'}",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def _store(args):
+    from .auth import KeyStore
+    from .db import Database
+
+    return KeyStore(Database(args.db))
+
+
+def cmd_keys_create(args) -> int:
+    secret, rec = _store(args).create(args.name, args.tiers, args.tpm)
+    if args.json:
+        print(json.dumps({"key": secret, **rec}))
+    else:
+        print(secret)
+        print(f"created key {rec['key_id']} ({rec['name']}), tiers {','.join(rec['tiers'])}"
+              + (f", {rec['tpm']} tokens/min" if rec["tpm"] else "") + ": the secret above is shown only once",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_keys_list(args) -> int:
+    keys = _store(args).list()
+    if args.json:
+        print(json.dumps(keys))
+        return 0
+    if not keys:
+        print("no keys")
+        return 0
+    for k in keys:
+        created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(k["created_at"]))
+        print(f"{k['key_id']}  {k['name']:<20} {','.join(k['tiers']):<20} "
+              f"{(str(k['tpm']) + ' tpm') if k['tpm'] else 'no limit':<12} {k['status']:<8} created {created} UTC")
+    return 0
+
+
+def cmd_keys_revoke(args) -> int:
+    rec = _store(args).revoke(args.key_id)
+    print(f"revoked key {rec['key_id']} ({rec['name']})")
+    return 0
+
+
+def cmd_usage(args) -> int:
+    from . import ledger
+    from .db import Database
+
+    db = Database(args.db).init()
+    records = ledger.usage(db, key_id=args.key, all_keys=args.key is None, since_day=args.since)
+    if args.json:
+        print(json.dumps(records))
+    else:
+        print(ledger.format_usage(records))
+    return 0
+
+
+def cmd_loadtest(args) -> int:
+    import os
+
+    from .loadtest import LoadTest, parse_tier_mix
+
+    lt = LoadTest(url=args.url, clients=args.clients, seconds=args.seconds, model=args.model,
+                  tier_mix=parse_tier_mix(args.tier_mix), max_tokens=args.max_tokens,
+                  api_key=args.api_key or os.environ.get("ULTRAFAST_API_KEY"), probe_tokens=args.probe_tokens)
+    report = lt.run()
+    print(json.dumps(report, indent=1) if args.json else lt.format(report))
+    return 0 if report["completed"] > 0 else 1

@@ -1,0 +1,253 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic), as the `openai` client sends
+and reads them. Unknown request fields are accepted and ignored, as most OpenAI-compatible servers do;
+fields that would change the output in ways this server cannot honour (tools, non-zero presence or
+frequency penalties, logit_bias, echo, suffix, best_of > n, JSON response formats) are refused with 400.
+
+Extensions beyond OpenAI's fields: `service_tier` takes `standard`, `ultrafast` or `auto`; sampling
+extras `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` (as vLLM names them); responses carry
+`time_info` (as Cerebras': queue, prompt, completion and total time, plus decode tokens/s and tau).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 8
+MAX_STOP = 4
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: Optional[bool] = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class _Sampling(_Request):
+    model: str = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    service_tier: Optional[str] = Field(
+        None, description="standard (default), ultrafast (sold separately) or auto (the best tier the key may use)")
+    # extensions (vLLM's names)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    ignore_eos: Optional[bool] = False
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Any] = None
+    response_format: Optional[ResponseFormat] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: Optional[bool] = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = Field(None, ge=1)
+
+
+# ------------------------------------------------------------------------------------ responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
+    completion_tokens_details: CompletionTokensDetails = CompletionTokensDetails()
+
+
+class TimeInfo(BaseModel):
+    queue_time: float = Field(description="seconds from arrival to a KV slot")
+    prompt_time: Optional[float] = Field(None, description="seconds of prefill")
+    completion_time: float = Field(description="seconds from the first token to the end")
+    total_time: float = Field(description="seconds from arrival to the end")
+    created: int
+    decode_tokens_per_s: Optional[float] = None
+    tau: Optional[float] = Field(None, description="ultrafast: tokens per pass over the weights")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    service_tier: str
+    system_fingerprint: Optional[str] = None
+    time_info: TimeInfo
+
+
+class ChunkDelta(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    service_tier: str
+    system_fingerprint: Optional[str] = None
+    usage: Optional[Usage] = None
+    time_info: Optional[TimeInfo] = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: Optional[list[dict[str, float]]] = None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+    service_tier: str
+    system_fingerprint: Optional[str] = None
+    time_info: Optional[TimeInfo] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ultrafast"
+    max_context: Optional[int] = None
+    service_tiers: list[str] = ["standard", "ultrafast"]
+    pricing: Optional[dict[str, dict[str, float]]] = Field(
+        None, description="$ per million tokens per tier: input, cached_input, output")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class UsageRecord(BaseModel):
+    key_id: Optional[str]
+    key_name: Optional[str]
+    model: str
+    tier: str
+    day: str
+    requests: int
+    cancelled: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cost_usd: float
+
+
+class UsageReport(BaseModel):
+    object: Literal["usage"] = "usage"
+    key_id: Optional[str]
+    data: list[UsageRecord]
+    total_cost_usd: float
+    total_requests: int
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,530 @@
+"""Scheduling: one worker thread per model owns its engine; all torch work happens there.
+
+Requests arrive through a bounded queue (`submit` raises QueueFull past `max_queue` waiting requests).
+The worker keeps a pool of KV cache slots and advances every active candidate one step per round
+(continuous batching at token granularity). With an engine that exposes `Engine.start` (a `Generation`
+per request) and `Engine.forward_batch`, the standard tier's decode steps of one round run as one batched
+pass over the weights (bit-identical to running each alone); otherwise each candidate's `Engine.stream`
+generator is stepped in turn. Ultrafast-tier candidates (speculative, their own multi-token passes) are
+admitted first and advanced first, `ultrafast_weight` steps per round to the standard tier's one.
+
+Prefix caching: a new candidate goes to the free slot whose `cache.tokens` shares the longest prefix
+with its prompt (an agent re-sending its growing conversation prefills only the new part); the engine
+reuses those rows and reports them as cached tokens.
+
+n > 1: the candidates of one prompt share its prefill. The first one is admitted alone; once it has
+prefilled, each sibling copies the prompt's KV rows into its own slot (`dst.k[:, :, :m] = src.k[:, :, :m]`,
+same for v, then `dst.tokens`), so its own prefill is one token.
+
+Cancellation (a client that went away) closes the candidate's generator at once (the engine keeps the
+cache consistent) and frees its slot. Every request ends in exactly one ledger row: finished, cancelled
+or failed. Results flow to the asyncio side with `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .auth import Principal, RateLimiter
+from .errors import QueueFull, Unavailable
+from .ledger import LedgerRow, LedgerWriter
+from .metrics import ServerMetrics
+from .pricing import PriceTable
+
+log = logging.getLogger("ultrafast.server")
+
+TIER_ORDER = ("ultrafast", "standard")
+
+
+@dataclass
+class Slot:
+    index: int
+    cache: Any  # KVCache
+    owner: "Candidate | None" = None
+    last_used: float = 0.0
+
+
+@dataclass
+class Candidate:
+    req: "GenRequest"
+    index: int  # the choice index in the response
+    group: int  # which prompt of the request (completions may send several)
+    prompt_ids: list[int]
+    params: Any  # SamplingParams (RecordingParams when logprobs are asked for)
+    state: str = "pending"  # pending, active, done
+    slot: Slot | None = None
+    gen: Any = None
+    prefilled: bool = False
+    cached_tokens: int = 0
+    events: int = 0
+    first_t: float | None = None
+    last_t: float | None = None
+    held: Any = None  # the latest event, held back one step when logprobs are recorded
+    lp_sent: int = 0
+    result: Any = None  # GenerationResult
+    finish_reason: str | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        return hasattr(self.params, "record")
+
+
+@dataclass
+class GenRequest:
+    """One API request: one or more candidates (n, or several prompts), and the way back to its handler."""
+
+    model: str
+    tier: str
+    endpoint: str
+    principal: Principal
+    prompts: list[list[int]]
+    make_params: Callable[[int, int], Any]  # (group, choice index) -> SamplingParams
+    n: int = 1
+    emit: Callable[[tuple], None] = lambda msg: None  # thread-safe delivery to the handler
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    arrival: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))
+    candidates: list[Candidate] = field(default_factory=list)
+    cancelled: bool = False
+    finalized: bool = False
+    admitted_t: float | None = None
+    first_token_t: float | None = None
+    source: dict = field(default_factory=dict)  # group -> the candidate that prefilled it
+
+    def __post_init__(self):
+        i = 0
+        for g, ids in enumerate(self.prompts):
+            for _ in range(self.n):
+                self.candidates.append(Candidate(self, i, g, ids, self.make_params(g, i)))
+                i += 1
+
+
+class StreamGeneration:
+    """`Engine.stream` seen as a Generation (prefill / advance / take_events / done / result / close), for
+    engines without `Engine.start`. One `next()` per call; done once the generator has returned."""
+
+    def __init__(self, it):
+        self._it, self._events = it, []
+        self.done, self.result = False, None
+
+    def _step(self) -> None:
+        try:
+            self._events.append(next(self._it))
+        except StopIteration as stop:
+            self.done, self.result = True, stop.value
+
+    def prefill(self) -> None:
+        self._step()
+
+    def advance(self, logits=None) -> None:
+        self._step()
+
+    def take_events(self) -> list:
+        ev, self._events = self._events, []
+        return ev
+
+    def close(self) -> None:
+        self._it.close()
+
+
+class ModelWorker:
+    def __init__(self, name: str, path, *, max_context: int | None = None, slots: int = 4, max_queue: int = 64,
+                 ultrafast_weight: int = 4, metrics: ServerMetrics, ledger: LedgerWriter, prices: PriceTable,
+                 limiter: RateLimiter, device: str | None = None, warmup: bool = True, threads: int | None = None,
+                 engine_factory: Callable[[], Any] | None = None):
+        if slots < 1:
+            raise ValueError("--slots must be at least 1")
+        if max_queue < 1:
+            raise ValueError("--max-queue must be at least 1")
+        self.name, self.path = name, path
+        self.max_context, self.n_slots, self.max_queue = max_context, slots, max_queue
+        self.ultrafast_weight = max(1, ultrafast_weight)
+        self.metrics, self.ledger, self.prices, self.limiter = metrics, ledger, prices, limiter
+        self.device, self.warmup, self.threads = device, warmup, threads
+        self._engine_factory = engine_factory
+        self.engine = None
+        self.logprobs_supported = False
+        self._generations = self._batch = False
+        self.slots: list[Slot] = []
+        self.load_error: BaseException | None = None
+        self.ready = threading.Event()
+        self._cond = threading.Condition()
+        self._pending: dict[str, deque[Candidate]] = {t: deque() for t in TIER_ORDER}
+        self._pending_requests = 0
+        self._cancels: list[GenRequest] = []
+        self._active: list[Candidate] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._main, name=f"ultrafast-worker-{name}", daemon=True)
+        metrics.slots_total.labels(name).set(slots)
+        metrics.slots_in_use.labels(name).set(0)
+        metrics.queue_depth.labels(name).set(0)
+
+    # ------------------------------------------------------------------ the asyncio side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        self.ready.wait(timeout)
+        if self.load_error is not None:
+            raise RuntimeError(f"model {self.name!r} failed to load: {self.load_error}") from self.load_error
+
+    @property
+    def queue_depth(self) -> int:
+        return self._pending_requests
+
+    def submit(self, req: GenRequest) -> None:
+        with self._cond:
+            if self._stopping or self.load_error is not None:
+                raise Unavailable(f"model {self.name!r} is not serving")
+            if self._pending_requests >= self.max_queue:
+                raise QueueFull(self.name)
+            for c in req.candidates:
+                self._pending[req.tier].append(c)
+            self._pending_requests += 1
+            self.metrics.queue_depth.labels(self.name).set(self._pending_requests)
+            self._cond.notify()
+
+    def cancel(self, req: GenRequest) -> None:
+        """The client went away: stop the request at the next round (safe from any thread)."""
+        with self._cond:
+            if req.finalized or req.cancelled:
+                return
+            req.cancelled = True
+            self._cancels.append(req)
+            self._cond.notify()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the worker thread
+
+    def _load(self):
+        if self._engine_factory is not None:
+            return self._engine_factory()
+        from ..engine import Engine
+
+        return Engine.from_path(self.path, max_context=self.max_context, device=self.device)
+
+    def _main(self) -> None:
+        try:
+            if self.threads:  # per thread: the OpenMP thread count is a property of the calling thread
+                import torch
+
+                torch.set_num_threads(self.threads)
+            engine = self._load()
+            self._generations = callable(getattr(engine, "start", None))
+            self._batch = self._generations and callable(getattr(engine, "forward_batch", None))
+            if self._generations:
+                self.logprobs_supported = True  # a Generation's sampler is replaced (see _start)
+            else:
+                from . import logprobs
+
+                self.logprobs_supported = logprobs.install()
+                if not self.logprobs_supported:
+                    log.warning("the engine's sampler cannot be hooked: logprobs requests will be refused")
+            if self.warmup:
+                engine.stepper("ultrafast")  # measures r(k) now rather than on the first ultrafast request
+            # the engine's own cache is the first slot
+            self.slots = [Slot(0, engine.cache)] + [Slot(i, engine.new_cache()) for i in range(1, self.n_slots)]
+            self.engine = engine
+        except BaseException as e:  # reported by wait_ready
+            self.load_error = e
+            self.ready.set()
+            return
+        self.ready.set()
+        try:
+            self._loop()
+        except BaseException:  # a bug: fail what is in flight rather than hang the clients
+            log.exception("worker %s crashed", self.name)
+            with self._cond:
+                self._stopping = True
+            self._abort_all("the model worker crashed")
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._cancels or self._active or self._pending_requests):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                cancels, self._cancels = self._cancels, []
+            for req in cancels:
+                self._cancel_now(req)
+            self._admit()
+            self._round()
+        self._abort_all("the server is shutting down", status="cancelled")
+
+    def _abort_all(self, message: str, status: str = "failed") -> None:
+        with self._cond:
+            pending = [c for t in TIER_ORDER for c in self._pending[t]]
+            for t in TIER_ORDER:
+                self._pending[t].clear()
+            self._pending_requests = 0
+        reqs = {id(c.req): c.req for c in pending + self._active}
+        for req in reqs.values():
+            self._stop_request(req, status, message)
+
+    # ---- admission
+
+    def _eligible(self, c: Candidate) -> bool:
+        """A sibling waits while the candidate that prefills its prompt has not done so yet."""
+        src = c.req.source.get(c.group)
+        return src is None or src.prefilled
+
+    def _admit(self) -> None:
+        free = [s for s in self.slots if s.owner is None]
+        if not free:
+            return
+        admitted: list[Candidate] = []
+        with self._cond:
+            for tier in TIER_ORDER:
+                dq = self._pending[tier]
+                i = 0
+                while free and i < len(dq):
+                    c = dq[i]
+                    if c.req.cancelled or not self._eligible(c):
+                        i += 1
+                        continue
+                    del dq[i]
+                    slot = max(free, key=lambda s: (s.cache.reusable_prefix(c.prompt_ids), -s.last_used))
+                    free.remove(slot)
+                    slot.owner, c.slot, c.state = c, slot, "active"
+                    c.req.source.setdefault(c.group, c)  # the first of its prompt prefills it
+                    admitted.append(c)
+                    if not any(x.state == "pending" for x in c.req.candidates):
+                        self._pending_requests -= 1
+            self.metrics.queue_depth.labels(self.name).set(self._pending_requests)
+        now = time.monotonic()
+        for c in admitted:
+            req = c.req
+            if c.state != "active":  # a sibling failed to start, and took the request down
+                continue
+            if req.admitted_t is None:
+                req.admitted_t = now
+                self.metrics.queue_time.labels(self.name, req.tier).observe(now - req.arrival)
+            src = req.source[c.group]
+            m = len(c.prompt_ids) - 1
+            if src is not c and src.state == "active" and src.slot is not None and c.slot.cache.reusable_prefix(c.prompt_ids) < m:
+                # the sibling prefilled this prompt: copy its rows instead of recomputing them
+                s, d = src.slot.cache, c.slot.cache
+                d.k[:, :, :m] = s.k[:, :, :m]
+                d.v[:, :, :m] = s.v[:, :, :m]
+                d.tokens = list(c.prompt_ids[:m])
+                self.metrics.shared_prefill.labels(self.name).inc(m)
+            c.cached_tokens = c.slot.cache.reusable_prefix(c.prompt_ids)
+            self._active.append(c)
+            try:
+                c.gen = self._start(c)
+            except Exception as e:  # the handler validated the prompt; this is a bug, fail only this request
+                log.exception("could not start request %s", req.id)
+                self._stop_request(req, "failed", f"generation failed: {type(e).__name__}: {e}")
+        self.metrics.slots_in_use.labels(self.name).set(sum(s.owner is not None for s in self.slots))
+
+    # ---- stepping
+
+    def _start(self, c: Candidate):
+        if not self._generations:
+            return StreamGeneration(self.engine.stream(c.prompt_ids, c.params, tier=c.req.tier,
+                                                       cache=c.slot.cache))
+        g = self.engine.start(c.prompt_ids, c.params, tier=c.req.tier, cache=c.slot.cache)
+        if c.logprobs:
+            from .logprobs import RecordingSampler
+
+            g.sampler = RecordingSampler(c.params, c.prompt_ids)  # same draws, plus the logprobs
+        return g
+
+    def _round(self) -> None:
+        live = lambda c: c.state == "active" and not c.req.cancelled  # noqa: E731
+        for c in [c for c in self._active if c.req.tier == "ultrafast"]:
+            for _ in range(self.ultrafast_weight):
+                if not live(c):
+                    break
+                self._step(c)
+        standard = [c for c in self._active if c.req.tier != "ultrafast"]
+        fresh = [c for c in standard if not c.prefilled and live(c)]
+        for c in fresh:
+            self._step(c)  # its prefill: one forward of its own
+        ready = [c for c in standard if c.prefilled and live(c) and c not in fresh]
+        if self._batch and len(ready) > 1:
+            try:
+                logits = self.engine.forward_batch([c.gen.plain_input() for c in ready])
+            except Exception as e:
+                log.exception("a batched pass failed (model %s)", self.name)
+                for c in ready:
+                    self._stop_request(c.req, "failed", f"generation failed: {type(e).__name__}: {e}")
+                return
+            for c, row in zip(ready, logits):
+                if live(c):
+                    self._step(c, row)
+        else:
+            for c in ready:
+                if live(c):
+                    self._step(c)
+
+    def _step(self, c: Candidate, logits=None) -> None:
+        """Prefill c, or advance it one pass (its own, or its row of a batched pass)."""
+        req, g = c.req, c.gen
+        try:
+            if not c.prefilled:
+                c.prefilled = True  # siblings may copy its rows from now on
+                g.prefill()
+            else:
+                g.advance(logits)
+        except Exception as e:
+            log.exception("generation failed (model %s, request %s)", self.name, req.id)
+            self._stop_request(req, "failed", f"generation failed: {type(e).__name__}: {e}")
+            return
+        events = g.take_events()
+        if events:
+            now = time.monotonic()
+            if c.first_t is None:
+                c.first_t = now
+                if req.first_token_t is None:
+                    req.first_token_t = now
+                    self.metrics.ttft.labels(self.name, req.tier).observe(now - req.arrival)
+            else:
+                self.metrics.itl.labels(self.name, req.tier).observe((now - c.last_t) / len(events))
+            c.last_t = now
+            for ev in events:
+                self._event(c, ev)
+        if g.done:
+            self._candidate_done(c, g.result)
+
+    def _event(self, c: Candidate, ev) -> None:
+        req = c.req
+        c.events += 1
+        if c.logprobs:
+            # hold the newest event back one step: only the stream's last event can be a text flush
+            # that carries no new token, and only its end tells which tokens remain
+            if c.held is not None:
+                rec = c.params.record
+                req.emit(("delta", c.index, c.held.text, rec[c.lp_sent:c.lp_sent + 1]))
+                c.lp_sent += 1
+            c.held = ev
+        else:
+            req.emit(("delta", c.index, ev.text, None))
+
+    def _release(self, c: Candidate) -> None:
+        if c in self._active:
+            self._active.remove(c)
+        if c.slot is not None:
+            c.slot.owner = None
+            c.slot.last_used = time.monotonic()
+            c.slot = None
+        self.metrics.slots_in_use.labels(self.name).set(sum(s.owner is not None for s in self.slots))
+
+    def _candidate_done(self, c: Candidate, result) -> None:
+        req = c.req
+        c.result, c.finish_reason, c.state = result, result.finish_reason, "done"
+        if c.first_t is None:
+            c.first_t = time.monotonic()
+            if req.first_token_t is None:
+                req.first_token_t = c.first_t
+                self.metrics.ttft.labels(self.name, req.tier).observe(c.first_t - req.arrival)
+        self._release(c)
+        if c.logprobs:
+            rec = c.params.record[c.lp_sent:len(result.token_ids)]
+            if c.held is not None or rec:
+                req.emit(("delta", c.index, c.held.text if c.held is not None else "", rec))
+            c.lp_sent, c.held = len(result.token_ids), None
+        req.emit(("choice_done", c.index, result.finish_reason, result))
+        if all(x.state == "done" for x in req.candidates):
+            self._finalize(req, "finished")
+
+    def _cancel_now(self, req: GenRequest) -> None:
+        if not req.finalized:
+            self._stop_request(req, "cancelled", "cancelled")
+
+    def _stop_request(self, req: GenRequest, status: str, message: str) -> None:
+        """End every candidate of req (closing generators, freeing slots), then finalize it."""
+        if req.finalized:
+            return
+        with self._cond:
+            was_pending = any(c.state == "pending" for c in req.candidates)
+            for c in req.candidates:
+                if c.state == "pending":
+                    try:
+                        self._pending[req.tier].remove(c)
+                    except ValueError:
+                        pass
+                    c.state = "done"
+            if was_pending:
+                self._pending_requests = max(0, self._pending_requests - 1)
+            self.metrics.queue_depth.labels(self.name).set(self._pending_requests)
+        for c in req.candidates:
+            if c.state == "active":
+                try:
+                    if c.gen is not None:
+                        c.gen.close()  # the engine keeps the slot's cache truthful
+                except Exception:
+                    log.exception("closing a generator failed")
+                c.state = "done"
+                self._release(c)
+        self._finalize(req, status, message)
+
+    # ---- accounting
+
+    def _finalize(self, req: GenRequest, status: str, message: str | None = None) -> None:
+        if req.finalized:
+            return
+        req.finalized = True
+        now = time.monotonic()
+        groups = {}
+        for c in req.candidates:
+            groups.setdefault(c.group, []).append(c)
+        prompt_tokens = sum(len(req.prompts[g]) for g in groups)
+        cached = 0
+        for g in groups:
+            src = req.source.get(g)
+            if src is not None:
+                cached += src.result.cached_tokens if src.result is not None else src.cached_tokens
+        completion = sum(c.result.completion_tokens if c.result is not None else c.events for c in req.candidates)
+        first = req.candidates[0].result
+        cost = self.prices.cost(self.name, req.tier, prompt_tokens, cached, completion)
+        tau = first.spec.get("tau") if first is not None and req.tier == "ultrafast" and first.spec else None
+        decode_tps = first.decode_tokens_per_s if first is not None else None
+        queue_s = (req.admitted_t or now) - req.arrival
+        ttft = (req.first_token_t - req.arrival) if req.first_token_t is not None else None
+        row = LedgerRow(request_id=req.id, key_id=req.principal.key_id, model=self.name, tier=req.tier,
+                        endpoint=req.endpoint, n=len(req.candidates), prompt_tokens=prompt_tokens,
+                        cached_tokens=cached, completion_tokens=completion, cost_usd=cost, queue_s=queue_s,
+                        ttft_s=ttft, total_s=now - req.arrival, decode_tokens_per_s=decode_tps, tau=tau,
+                        status=status)
+        fut = self.ledger.submit(row)
+        fut.add_done_callback(lambda f: f.exception() is not None and self.metrics.ledger_errors.inc())
+        m = self.metrics
+        m.requests.labels(self.name, req.tier, status).inc()
+        m.tokens.labels(self.name, req.tier, "prompt").inc(prompt_tokens)
+        m.tokens.labels(self.name, req.tier, "cached").inc(cached)
+        m.tokens.labels(self.name, req.tier, "completion").inc(completion)
+        m.prefix_hits.labels(self.name).inc(cached)
+        for c in req.candidates:
+            if c.result is not None and req.tier == "ultrafast":
+                m.observe_spec(self.name, c.result.spec)
+        self.limiter.record(req.principal, completion)
+        first_t = req.first_token_t or now
+        summary = {
+            "status": status, "message": message, "prompt_tokens": prompt_tokens, "cached_tokens": cached,
+            "completion_tokens": completion, "cost_usd": cost,
+            "time_info": {
+                "queue_time": round(queue_s, 6),
+                "prompt_time": round(first.ttft_s, 6) if first is not None else None,
+                "completion_time": round(now - first_t, 6),
+                "total_time": round(now - req.arrival, 6),
+                "created": req.created,
+                "decode_tokens_per_s": round(decode_tps, 2) if decode_tps is not None else None,
+                "tau": tau,
+            },
+        }
+        req.emit(("done", summary, fut))
