@@ -220,6 +220,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="also write the table as JSON to this file")
     s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.spec_bench", fromlist=["main"]).main(a))
 
+    s = sub.add_parser("agentbench", help="an agent loop editing one file: what prompt lookup and suffix decoding earn")
+    s.add_argument("--model", default=DEFAULT_MODEL)
+    s.add_argument("--draft-model", default=None)
+    s.add_argument("--drafters", default=None)
+    s.add_argument("--iterations", type=int, default=6)
+    s.add_argument("--max-tokens", type=int, default=512)
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--max-context", type=int, default=4096)
+    s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.agent_loop", fromlist=["main"]).main(a))
+
     from .server.commands import add_commands as add_server_commands  # serve, keys, usage, loadtest
 
     add_server_commands(sub)

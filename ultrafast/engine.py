@@ -83,7 +83,7 @@ class Engine:
 
         if any(isinstance(m, PackedLinear) for m in self.model.modules()):
             fused = "fused layers" if isinstance(self.model.layers[0], FusedBlock) else "per-op"
-            return f"packed, {fused}, " + ("avx512" if kernels.avx512_active() else "scalar")
+            return f"packed, {fused}, {kernels.path_in_use()}"
         return "reference (fp32 nn.Linear)"
 
     # ---------------------------------------------------------------- prompts
