@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ultrafast.engine import GenerationResult, StreamEvent
+from ultrafast.kv_cache import KVCache
 from ultrafast.sampler import SamplingParams
 from ultrafast.server import ledger as ledger_mod
 from ultrafast.server.auth import (LOCAL_USER, KeyStore, Principal, RateLimiter, bearer_token, is_loopback,
@@ -189,13 +190,7 @@ class FakeCache:
         self.v = torch.zeros(1, 1, n, 1)
         self.tokens: list[int] = []
 
-    def reusable_prefix(self, prompt):
-        n = 0
-        for a, b in zip(self.tokens, prompt[:-1]):
-            if a != b:
-                break
-            n += 1
-        return n
+    reusable_prefix = KVCache.reusable_prefix  # the real rule, on a tiny cache
 
 
 class FakeEngine:

@@ -56,7 +56,7 @@ def _llama_runner(path, threads: int, n_ctx: int):
 
     def run(llm, ids, n):
         llm.reset()
-        out, t0, t1 = [], time.perf_counter(), None
+        out, t1 = [], None
         for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
             if t1 is None:
                 t1 = time.perf_counter()
