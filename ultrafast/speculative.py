@@ -113,8 +113,10 @@ class SpeculativeStepper:
         order = sorted(self.drafters, key=lambda d: -self.stats.by_drafter[d.name].rate)
         for d in order:
             st = self.stats.by_drafter[d.name]
-            k = self._best_k(st.rate, limit, getattr(d, "cost_per_token", 0.0))
-            if k == 0 and self._plain_run >= self.PROBE_EVERY:
+            cost = getattr(d, "cost_per_token", 0.0)
+            k = self._best_k(st.rate, limit, cost)
+            # probe again after a run of plain steps; a drafter that costs forwards probes far less often
+            if k == 0 and self._plain_run >= self.PROBE_EVERY * (1 + int(16 * cost)):
                 k = min(2, limit)
             if k == 0:
                 continue
