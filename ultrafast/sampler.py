@@ -57,10 +57,12 @@ class SamplingParams:
         return g
 
 
-def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL-style penalty on every token already seen (prompt and output), as Hugging Face applies it."""
-    if penalty == 1.0 or history.numel() == 0:
+def apply_repetition_penalty(logits: torch.Tensor, history, penalty: float) -> torch.Tensor:
+    """CTRL-style penalty on every token already seen (prompt and output), as Hugging Face applies it.
+    history: token ids (a list or a tensor); only turned into a tensor when a penalty applies."""
+    if penalty == 1.0 or len(history) == 0:
         return logits
+    history = torch.as_tensor(history, dtype=torch.long)
     logits = logits.clone()
     seen = logits[history]
     logits[history] = torch.where(seen > 0, seen / penalty, seen * penalty)
@@ -104,7 +106,7 @@ class Sampler:
 
     def distribution(self, logits: torch.Tensor, history: list[int] | None = None) -> torch.Tensor:
         hist = self.history if history is None else history
-        logits = apply_repetition_penalty(logits, torch.tensor(hist, dtype=torch.long), self.params.repetition_penalty)
+        logits = apply_repetition_penalty(logits, hist, self.params.repetition_penalty)
         return probabilities(logits, self.params)
 
     def next_uniform(self) -> float:
@@ -113,8 +115,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor) -> int:
         """logits [V] for the next position -> token id; records it in the history."""
         if self.params.greedy:
-            logits = apply_repetition_penalty(logits, torch.tensor(self.history, dtype=torch.long),
-                                              self.params.repetition_penalty)
+            logits = apply_repetition_penalty(logits, self.history, self.params.repetition_penalty)
             tok = int(torch.argmax(logits))
         else:
             tok = sample_from(self.distribution(logits), self.next_uniform())
