@@ -74,6 +74,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(T, self.n_heads, self.head_dim)
         k = self.wk(x).view(T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(T, self.n_kv_heads, self.head_dim)
+        cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]: broadcast over heads
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         outs, row = [], 0
@@ -143,8 +144,8 @@ class Transformer(nn.Module):
         positions starts[s].., each with its own cache. Returns logits of every row (all_logits) or of each
         sequence's last row [n_sequences, vocab]. Rows never influence each other's values."""
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(tokens.device)
-        # [T, 1, D], broadcast over heads; a table, so a position's values never depend on the batch
-        cos, sin = self.rope_cos[positions, None], self.rope_sin[positions, None]
+        # [T, D], once per pass for every layer; a table, so a position's values never depend on the batch
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             segments = [(s, n, c.k[i], c.v[i]) for s, n, c in zip(starts, lens, caches)]

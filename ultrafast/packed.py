@@ -88,7 +88,7 @@ class FusedBlock(nn.Module):
         starts, lens, kcs, vcs = (list(t) for t in zip(*segments))
         return kernels.decoder_block(x, starts, lens, b.attention_norm.weight, b.ffn_norm.weight,
                                      b.attention_norm.eps, self.raws, self.qtypes, self.biases, kcs, vcs,
-                                     cos[:, 0].contiguous(), sin[:, 0].contiguous(),
+                                     cos, sin,
                                      self.n_heads, self.n_kv_heads, self.head_dim, self.scale)
 
 
