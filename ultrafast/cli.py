@@ -49,12 +49,10 @@ def _load_engine(args):
     from .engine import Engine
     from .pull import resolve_model
 
-    path = resolve_model(args.model)
+    path = resolve_model(args.model)  # a first pull is not load time
     t0 = time.perf_counter()
-    engine = Engine.from_path(path, max_context=args.max_context, device=args.device)
-    if args.draft_model:
-        engine.attach_draft_model(Engine.from_path(resolve_model(args.draft_model), max_context=engine.max_context,
-                                                   device=args.device))
+    engine = Engine.from_model(str(path), max_context=args.max_context, device=args.device,
+                               draft_model=args.draft_model)
     info = engine.describe()
     print(f"loaded {path.name} in {time.perf_counter() - t0:.1f}s: {info['layers']} layers, "
           f"weights {info['weight_bytes_held'] / 1e6:.0f} MB held for {info['file_tensor_bytes'] / 1e6:.0f} MB in "

@@ -62,6 +62,19 @@ class Engine:
         transform = apply_packed if packed else None
         return cls(loaded, build_model(loaded, device, transform), max_context=max_context, device=device)
 
+    @classmethod
+    def from_model(cls, model: str, *, max_context: int | None = None, device: str | None = None,
+                   draft_model: str | None = None) -> "Engine":
+        """A `--model` argument (a registered name, pulled on first use, or a path), with an optional draft
+        model that shares its tokenizer (`--draft-model`)."""
+        from .pull import resolve_model
+
+        engine = cls.from_path(resolve_model(model), max_context=max_context, device=device)
+        if draft_model:
+            engine.attach_draft_model(cls.from_path(resolve_model(draft_model), max_context=engine.max_context,
+                                                    device=device))
+        return engine
+
     def describe(self) -> dict:
         c = self.config
         return {

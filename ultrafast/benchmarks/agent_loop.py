@@ -81,12 +81,9 @@ def main(args) -> int:
     import torch
 
     from ..engine import Engine
-    from ..pull import resolve_model
 
     torch.set_num_threads(args.threads)
-    engine = Engine.from_path(resolve_model(args.model), max_context=args.max_context)
-    if args.draft_model:
-        engine.attach_draft_model(Engine.from_path(resolve_model(args.draft_model), max_context=args.max_context))
+    engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model)
     drafters = args.drafters.split(",") if args.drafters else None
     std = run_agent_loop(engine, iterations=args.iterations, max_tokens=args.max_tokens, tier="standard")
     fast = run_agent_loop(engine, iterations=args.iterations, max_tokens=args.max_tokens, tier="ultrafast",

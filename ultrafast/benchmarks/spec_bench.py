@@ -140,13 +140,10 @@ def main(args) -> int:
     import torch
 
     from ..engine import Engine
-    from ..pull import resolve_model
 
     torch.set_num_threads(args.threads)
-    path = resolve_model(args.model)
-    engine = Engine.from_path(path, max_context=args.max_context)
-    if args.draft_model:
-        engine.attach_draft_model(Engine.from_path(resolve_model(args.draft_model), max_context=args.max_context))
+    engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model)
+    path = engine.loaded.path
     drafters = args.drafters.split(",") if args.drafters else None
     questions = load_questions(Path(args.questions) if args.questions else default_questions_path(),
                                None if args.all else args.per_category)
