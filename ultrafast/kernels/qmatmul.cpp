@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "decoder_layer.h"
 #include "qmatmul_kernels.h"
 
 namespace ultrafast {
@@ -492,6 +493,60 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
   TORCH_CHECK_VALUE(cos.size(0) == T && cos.size(1) == hd && sin.size(0) == T && sin.size(1) == hd &&
                         cos.is_contiguous() && sin.is_contiguous(),
                     "decoder_block: cos/sin must be contiguous [T, head_dim]");
+  // The VNNI path runs the whole layer in one parallel region (decoder_layer.cpp): same per-row arithmetic,
+  // one fork/join per layer instead of ~10.
+  int qti[7];
+  for (int i = 0; i < 7; ++i) qti[i] = (int)qt[i];
+  bool team = vnni_on() && decoder_layer_team_ok(qti, hd) && attn_norm.is_contiguous() && ffn_norm.is_contiguous();
+  for (size_t s = 0; s < nseg && team; ++s)
+    team = kcs[s].scalar_type() == torch::kFloat32 && vcs[s].scalar_type() == torch::kFloat32 &&
+           kcs[s].stride(1) == hd && vcs[s].stride(1) == hd && kcs[s].stride(2) == 1 && vcs[s].stride(2) == 1 &&
+           vcs[s].sizes() == kcs[s].sizes();
+  for (int i = 0; i < 7 && team; ++i) {
+    TypeInfo ti;
+    team = type_info(qti[i], &ti) && w[i].scalar_type() == torch::kUInt8 && w[i].dim() == 2 &&
+           (w[i].size(0) <= 1 || w[i].stride(1) == 1);
+  }
+  if (team) {
+    const int64_t f = w[4].size(0);
+    const int64_t expect_rows[7] = {nq, nkv, nkv, d, f, f, d};
+    const int64_t expect_k[7] = {d, d, d, nq, d, d, f};
+    LayerArgs a{};
+    for (int i = 0; i < 7; ++i) {
+      TypeInfo ti;
+      type_info(qti[i], &ti);
+      TORCH_CHECK_VALUE(w[i].size(0) == expect_rows[i] && expect_k[i] % ti.block == 0 &&
+                            w[i].size(1) == expect_k[i] / ti.block * ti.bytes,
+                        "decoder_block: linear ", i, " has shape ", w[i].sizes(), ", expected ", expect_rows[i],
+                        " rows of ", expect_k[i], " ", ti.name, " values");
+      a.w[i] = w[i].data_ptr<uint8_t>();
+      a.rb[i] = w[i].size(0) > 1 ? w[i].stride(0) : w[i].size(1);
+      a.qt[i] = qti[i];
+    }
+    std::vector<float*> kp(nseg), vp(nseg);
+    std::vector<int64_t> ks0(nseg), vs0(nseg);
+    for (size_t s = 0; s < nseg; ++s) {
+      kp[s] = kcs[s].data_ptr<float>();
+      vp[s] = vcs[s].data_ptr<float>();
+      ks0[s] = kcs[s].stride(0);
+      vs0[s] = vcs[s].stride(0);
+    }
+    a.T = T, a.d = d, a.f = f, a.n_heads = n_heads, a.n_kv_heads = n_kv_heads, a.hd = hd;
+    a.eps = (float)eps, a.scale = (float)scale;
+    a.x = x.data_ptr<float>();
+    a.attn_norm = attn_norm.data_ptr<float>(), a.ffn_norm = ffn_norm.data_ptr<float>();
+    if (!bias.empty()) {
+      TORCH_CHECK_VALUE(bias[0].numel() == nq && bias[1].numel() == nkv && bias[2].numel() == nkv,
+                        "decoder_block: bias sizes do not match q/k/v");
+      a.bq = bias[0].data_ptr<float>(), a.bk = bias[1].data_ptr<float>(), a.bv = bias[2].data_ptr<float>();
+    }
+    a.nseg = (int64_t)nseg, a.starts = starts.data(), a.lens = lens.data();
+    a.kc = kp.data(), a.vc = vp.data(), a.ks0 = ks0.data(), a.vs0 = vs0.data();
+    a.cos = cos.data_ptr<float>(), a.sin = sin.data_ptr<float>();
+    a.nthreads = at::get_num_threads();
+    TORCH_CHECK(decoder_layer_team(a), "decoder_block: out of memory");
+    return x;
+  }
   auto h = rmsnorm(x, attn_norm, eps);
   auto q = qmatmul(h, w[0], qt[0], d);
   auto k = qmatmul(h, w[1], qt[1], d);

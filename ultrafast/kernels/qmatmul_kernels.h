@@ -47,6 +47,9 @@ int64_t qmm_prep_bytes_vnni(int qtype, int64_t K);
 // Quantize + lay out the k rows of x [k, K] into xg (rows qmm_prep_bytes_vnni apart); per row, so
 // batch-invariant.
 void qmm_prep_vnni(int qtype, const float* x, int64_t k, int64_t K, uint8_t* xg);
+// one row's prepared groups [G0, G1) (of qmm_prep_groups_vnni); rows of qmm_prep_bytes_vnni bytes
+int64_t qmm_prep_groups_vnni(int qtype, int64_t K);
+void qmm_prep_range_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1);
 // y[r * ldy + n] for r in [0, k), n in [n0, n1); per element the arithmetic depends only on (qtype, K,
 // weight row n, activation row r). Returns false only if a scratch allocation failed.
 bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,

@@ -126,6 +126,18 @@ UF_INLINE float quant32(const float* x, int16_t* q, int32_t* sum) {
 // zero-padded copy), IOFF (integer offset multiplier, 0 none), MINS (0 none, +1 Q4_1, -1 Q4_K), BM (lane
 // block map), and decode(p, g, W, dvec, mvec) for group g of the kernel block at p.
 
+// Word-permute indices (vpermt2w over two 64-byte vectors; index bit 5 picks the second) gathering 8 words
+// of each of 4 blocks of BB bytes, starting at byte OFF of the block, SHIFT words before the first vector.
+template <int BB, int OFF, int SHIFT>
+struct WIdx {
+  alignas(64) int16_t v[32];
+  constexpr WIdx() : v() {
+    for (int j = 0; j < 32; ++j) v[j] = (int16_t)((((j / 8) & 3) * BB + OFF) / 2 + j % 8 - SHIFT);
+  }
+};
+template <int BB, int OFF, int SHIFT>
+inline constexpr WIdx<BB, OFF, SHIFT> kWIdx{};
+
 // Q4_0, Q4_1, Q5_0, Q8_0: kernel block = one group = 4 GGUF blocks of 32
 template <int QT>
 struct K32 {
@@ -133,28 +145,40 @@ struct K32 {
   static constexpr int NV = 4, GV = 128, GPK = 1, KB = 128, KBYTES = 4 * BB, UNIT = 32, UNIT_BYTES = BB;
   static constexpr int IOFF = QT == QT_Q4_0 ? -8 : QT == QT_Q5_0 ? -16 : 0;
   static constexpr int MINS = QT == QT_Q4_1 ? 1 : 0;
+  static constexpr bool SPLIT = false;
+  using X = XG<4>;
   static UF_INLINE int bm(int i) { return i; }
-  static UF_INLINE void decode(const uint8_t* p, int, __m512i* W, __m512& dvec, __m512& mvec) {
+  struct Ctx {};
+  static UF_INLINE Ctx context(const uint8_t*) { return {}; }
+  static UF_INLINE void decode(const uint8_t* p, int, const Ctx&, __m512i* W, __m512* dv, __m512& mvec) {
+    __m512& dvec = dv[0];
     const __m512i zero = _mm512_setzero_si512();
-    const __m128i hv = _mm_setr_epi16((short)rd16(p), (short)rd16(p + BB), (short)rd16(p + 2 * BB),
-                                      (short)rd16(p + 3 * BB), 0, 0, 0, 0);
-    dvec = spread4(_mm_cvtph_ps(hv));
-    if constexpr (QT == QT_Q4_1) {
-      const __m128i mv = _mm_setr_epi16((short)rd16(p + 2), (short)rd16(p + BB + 2), (short)rd16(p + 2 * BB + 2),
-                                        (short)rd16(p + 3 * BB + 2), 0, 0, 0, 0);
-      mvec = spread4(_mm_cvtph_ps(mv));
-    } else {
-      mvec = _mm512_setzero_ps();
+    // the group's KBYTES bytes as two vectors (the second masked so nothing past the group is read)
+    constexpr int REST = (KBYTES < 128 ? KBYTES : 128) - 64;
+    const __m512i Z0 = _mm512_loadu_si512(p);
+    const __m512i Z1 = _mm512_maskz_loadu_epi8((__mmask64)((REST >= 64) ? ~0ull : ((1ull << REST) - 1)), p + 64);
+    {  // fp16 d (and m) of the 4 blocks -> words 0..3 (4..7)
+      alignas(64) static const int16_t dix[32] = {0, BB / 2, BB, 3 * BB / 2, 1, BB / 2 + 1, BB + 1, 3 * BB / 2 + 1};
+      const __m512i dm16 = _mm512_permutex2var_epi16(Z0, _mm512_load_si512(dix), Z1);
+      const __m512 dm = _mm512_zextps256_ps512(_mm256_cvtph_ps(_mm512_castsi512_si128(dm16)));
+      dvec = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), dm);
+      if constexpr (QT == QT_Q4_1)
+        mvec = _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7), dm);
+      else
+        mvec = _mm512_setzero_ps();
     }
     if constexpr (QT == QT_Q8_0) {
-      const __m512i Z0 = load4x16(p + 2, BB), Z1 = load4x16(p + 18, BB);
-      W[0] = _mm512_srai_epi16(_mm512_unpacklo_epi8(Z0, Z0), 8);
-      W[1] = _mm512_srai_epi16(_mm512_unpackhi_epi8(Z0, Z0), 8);
-      W[2] = _mm512_srai_epi16(_mm512_unpacklo_epi8(Z1, Z1), 8);
-      W[3] = _mm512_srai_epi16(_mm512_unpackhi_epi8(Z1, Z1), 8);
+      // first halves (bytes 34b+2..) from [Z0 Z1]; second halves (34b+18..) from bytes 8..135
+      const __m512i Za = _mm512_loadu_si512(p + 8), Zb = _mm512_loadu_si512(p + 72);
+      const __m512i A = _mm512_permutex2var_epi16(Z0, _mm512_load_si512(kWIdx<BB, 2, 0>.v), Z1);
+      const __m512i B = _mm512_permutex2var_epi16(Za, _mm512_load_si512(kWIdx<BB, 18, 4>.v), Zb);
+      W[0] = _mm512_srai_epi16(_mm512_unpacklo_epi8(A, A), 8);
+      W[1] = _mm512_srai_epi16(_mm512_unpackhi_epi8(A, A), 8);
+      W[2] = _mm512_srai_epi16(_mm512_unpacklo_epi8(B, B), 8);
+      W[3] = _mm512_srai_epi16(_mm512_unpackhi_epi8(B, B), 8);
     } else {
       constexpr int QOFF = QT == QT_Q4_0 ? 2 : QT == QT_Q4_1 ? 4 : 6;
-      const __m512i Z = load4x16(p + QOFF, BB);
+      const __m512i Z = _mm512_permutex2var_epi16(Z0, _mm512_load_si512(kWIdx<BB, QOFF, 0>.v), Z1);  // block b's 16 bytes in lane b
       const __m512i m0f = _mm512_set1_epi8(0x0F);
       __m512i L = _mm512_and_si512(Z, m0f);
       __m512i H = _mm512_and_si512(_mm512_srli_epi16(Z, 4), m0f);
@@ -181,6 +205,8 @@ struct K32 {
 struct KQ4K {
   static constexpr int NV = 4, GV = 128, GPK = 2, KB = 256, KBYTES = 144, UNIT = 256, UNIT_BYTES = 144;
   static constexpr int IOFF = 0, MINS = -1;
+  static constexpr bool SPLIT = false;
+  using X = XG<4>;
   static UF_INLINE int bm(int i) { return i == 1 ? 2 : (i == 2 ? 1 : i); }  // lanes hold sub-blocks 0,2,1,3
   static UF_INLINE __m512 scales(const uint8_t* p) {
     const uint32_t s0 = rd32(p + 4), s1 = rd32(p + 8), s2 = rd32(p + 12);
@@ -194,8 +220,13 @@ struct KQ4K {
                                             _mm512_zextps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(hd2))));
     return _mm512_mul_ps(sm, dd);  // [d*sc0..7, dmin*m0..7], as ggml
   }
-  static UF_INLINE void decode(const uint8_t* p, int c, __m512i* W, __m512& dvec, __m512& mvec) {
-    const __m512 dm = scales(p);
+  struct Ctx {
+    __m512 dm;
+  };
+  static UF_INLINE Ctx context(const uint8_t* p) { return {scales(p)}; }  // once per super-block
+  static UF_INLINE void decode(const uint8_t* p, int c, const Ctx& ctx, __m512i* W, __m512* dv, __m512& mvec) {
+    __m512& dvec = dv[0];
+    const __m512 dm = ctx.dm;
     const int b = 4 * c;
     dvec = _mm512_permutexvar_ps(_mm512_setr_epi32(b, b, b, b, b + 2, b + 2, b + 2, b + 2, b + 1, b + 1, b + 1, b + 1,
                                                    b + 3, b + 3, b + 3, b + 3),
@@ -224,10 +255,17 @@ struct KQ4K {
 struct KQ6K {
   static constexpr int NV = 4, GV = 128, GPK = 2, KB = 256, KBYTES = 210, UNIT = 256, UNIT_BYTES = 210;
   static constexpr int IOFF = -32, MINS = 0;
-  static UF_INLINE int bm(int i) { return i; }  // (prep has its own layout for Q6_K)
-  static UF_INLINE void decode(const uint8_t* p, int h, __m512i* W, __m512& dvec, __m512& mvec) {
-    const __m512 dsc =
-        _mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192))));
+  static constexpr bool SPLIT = false;
+  using X = XG<4>;
+  struct Ctx {
+    __m512 dsc;
+  };
+  static UF_INLINE Ctx context(const uint8_t* p) {  // once per super-block: d * sc of its 16 scale groups
+    return {_mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192))))};
+  }
+  static UF_INLINE void decode(const uint8_t* p, int h, const Ctx& ctx, __m512i* W, __m512* dv, __m512& mvec) {
+    __m512& dvec = dv[0];
+    const __m512 dsc = ctx.dsc;
     const int b = 8 * h;
     dvec = _mm512_permutexvar_ps(_mm512_setr_epi32(b, b, b + 4, b + 4, b + 1, b + 1, b + 5, b + 5, b + 2, b + 2, b + 6,
                                                    b + 6, b + 3, b + 3, b + 7, b + 7),
@@ -253,9 +291,9 @@ struct KQ6K {
 
 // 32-value-block types (incl. Q4_K): group G covers blocks 4G..4G+3 (those < nblk); lane i <- block bm(i).
 template <class T>
-void prep_row32(const float* x, int64_t K, uint8_t* out) {
-  const int64_t nblk = K / 32, ng = (nblk + 3) / 4;
-  for (int64_t G = 0; G < ng; ++G) {
+void prep_row32(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1) {
+  const int64_t nblk = K / 32;
+  for (int64_t G = G0; G < G1; ++G) {
     XG<4>* g = reinterpret_cast<XG<4>*>(out + G * sizeof(XG<4>));
     alignas(64) int16_t xq[4][32];
     alignas(64) float s[16], xsf[16];
@@ -289,8 +327,8 @@ void prep_row32(const float* x, int64_t K, uint8_t* out) {
 
 // Q6_K: group G covers values 128G..128G+127 (half a super-block). Vector v, 128-bit lane i, word w holds
 // value 16i + 4v + w (w < 4, scale group i) or 64 + 16i + 4v + (w - 4) (scale group 4 + i).
-void prep_row_q6k(const float* x, int64_t K, uint8_t* out) {
-  for (int64_t G = 0; G < K / 128; ++G) {
+void prep_row_q6k(const float* x, uint8_t* out, int64_t G0, int64_t G1) {
+  for (int64_t G = G0; G < G1; ++G) {
     XG<4>* g = reinterpret_cast<XG<4>*>(out + G * sizeof(XG<4>));
     int16_t q[128];
     float sb[4];
@@ -324,49 +362,94 @@ void prep_row_q6k(const float* x, int64_t K, uint8_t* out) {
 
 constexpr int RMAX = 6;
 
-template <class T, int R>
+// Accumulators per (weight row, activation row): two fp32 chains for the scaled block sums (groups of even
+// and odd global index, so consecutive groups do not wait on each other's FMA latency) and, for the types
+// with mins, a third chain for them. Which chain a group feeds depends only on its index in the row.
+template <class T>
+constexpr int NACC = T::MINS ? 3 : 2;
+
+// Prefetch distance (bytes ahead in the weight stream) when a call reads each weight row from start to end.
+constexpr int64_t PF_DIST = 1536;
+
+template <class T, int R, int PAR>
 UF_INLINE void kblock(const uint8_t* p, const uint8_t* xg, int64_t ldx, __m512* acc) {
-  using X = XG<T::NV>;
+  using X = typename T::X;
+  constexpr int NA = NACC<T>;
+  const typename T::Ctx ctx = T::context(p);
 #pragma GCC unroll 4
   for (int g = 0; g < T::GPK; ++g) {
     __m512i W[T::NV];
-    __m512 dvec, mvec;
-    T::decode(p, g, W, dvec, mvec);
+    __m512 dv[2], mvec;
+    T::decode(p, g, ctx, W, dv, mvec);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const X* xr = reinterpret_cast<const X*>(xg + r * ldx) + g;
-      __m512i ia = T::IOFF ? xr->ioff : _mm512_setzero_si512();
-#pragma GCC unroll 4
-      for (int v = 0; v < T::NV; ++v) ia = _mm512_dpwssd_epi32(ia, W[v], xr->xq[v]);
-      const __m512 t = _mm512_mul_ps(dvec, xr->s);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), t, acc[r]);
-      if constexpr (T::MINS > 0) acc[r] = _mm512_fmadd_ps(mvec, xr->xsf, acc[r]);
-      if constexpr (T::MINS < 0) acc[r] = _mm512_fnmadd_ps(mvec, xr->xsf, acc[r]);
+      if constexpr (T::SPLIT) {
+        // chain A -> acc 0, chain B -> acc 1, mins (once per super-block) -> acc 2
+        const __m512i ia = _mm512_dpwssd_epi32(_mm512_madd_epi16(W[0], xr->xq[0]), W[2], xr->xq[2]);
+        const __m512i ib = _mm512_dpwssd_epi32(_mm512_madd_epi16(W[1], xr->xq[1]), W[3], xr->xq[3]);
+        acc[r * NA] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(dv[0], xr->sa), acc[r * NA]);
+        acc[r * NA + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(dv[1], xr->sb), acc[r * NA + 1]);
+        if (g == 0) acc[r * NA + 2] = _mm512_fnmadd_ps(mvec, xr->xsf, acc[r * NA + 2]);
+      } else {
+        const int c = (PAR + g) & 1;
+        // two independent integer chains (exact: integer sums are associative), so the 4 dot products of a
+        // row-group do not wait on each other's latency
+        __m512i ia = _mm512_dpwssd_epi32(T::IOFF ? xr->ioff : _mm512_setzero_si512(), W[0], xr->xq[0]);
+        __m512i ib = _mm512_madd_epi16(W[1], xr->xq[1]);
+        ia = _mm512_dpwssd_epi32(ia, W[2], xr->xq[2]);
+        ib = _mm512_dpwssd_epi32(ib, W[3], xr->xq[3]);
+        ia = _mm512_add_epi32(ia, ib);
+        const __m512 t = _mm512_mul_ps(dv[0], xr->s);
+        acc[r * NA + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), t, acc[r * NA + c]);
+        if constexpr (T::MINS > 0) acc[r * NA + 2] = _mm512_fmadd_ps(mvec, xr->xsf, acc[r * NA + 2]);
+        if constexpr (T::MINS < 0) acc[r * NA + 2] = _mm512_fnmadd_ps(mvec, xr->xsf, acc[r * NA + 2]);
+      }
     }
   }
 }
 
-// Kernel blocks [b0, b1) of one weight row for R activation rows; the accumulators live in st (st[r]) between
-// K panels (an exact round trip through memory). b1 may include the partial last kernel block (b == nfull).
+template <class T, int R>
+UF_INLINE void kblock_at(int64_t b, const uint8_t* p, const uint8_t* xg, int64_t ldx, __m512* acc) {
+  if (T::GPK == 1 && (b & 1))
+    kblock<T, R, 1>(p, xg, ldx, acc);
+  else
+    kblock<T, R, 0>(p, xg, ldx, acc);
+}
+
+// Kernel blocks [b0, b1) of one weight row for R activation rows; the accumulators live in st (st[r*NACC..])
+// between K panels (an exact round trip through memory). b1 may include the partial last kernel block
+// (b == nfull). With `pf` the weight stream is prefetched PF_DIST bytes ahead (rows are read whole and in
+// address order then, so the next row's bytes are what is ahead).
 template <class T, int R>
 __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t K, int64_t b0, int64_t b1,
-                                   const uint8_t* __restrict xg, int64_t ldx, __m512* st) {
+                                   const uint8_t* __restrict xg, int64_t ldx, __m512* st, bool pf) {
   const int64_t nfull = K / T::KB;
-  constexpr int64_t XB = (int64_t)sizeof(XG<T::NV>) * T::GPK;  // x bytes per kernel block
-  __m512 acc[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r] = st[r];
+  constexpr int NA = NACC<T>;
+  constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;  // x bytes per kernel block
+  __m512 acc[R * NA];
+#pragma GCC unroll 24
+  for (int i = 0; i < R * NA; ++i) acc[i] = st[i];
   const int64_t bf = b1 < nfull ? b1 : nfull;
-  for (int64_t b = b0; b < bf; ++b) kblock<T, R>(wr + b * T::KBYTES, xg + b * XB, ldx, acc);
+  if (pf) {
+    for (int64_t b = b0; b < bf; ++b) {
+      const uint8_t* p = wr + b * T::KBYTES;
+#pragma GCC unroll 4
+      for (int o = 0; o < T::KBYTES; o += 64) _mm_prefetch((const char*)(p + PF_DIST + o), _MM_HINT_T0);
+      kblock_at<T, R>(b, p, xg + b * XB, ldx, acc);
+    }
+  } else {
+    for (int64_t b = b0; b < bf; ++b) kblock_at<T, R>(b, wr + b * T::KBYTES, xg + b * XB, ldx, acc);
+  }
   if (b1 > nfull) {  // partial last kernel block from a zero-padded copy (x is zero-padded too)
     const int64_t nunits = (K - nfull * T::KB) / T::UNIT;
     alignas(64) uint8_t buf[T::KBYTES + 64];
     for (int i = 0; i < T::KBYTES + 64; ++i) buf[i] = 0;
     __builtin_memcpy(buf, wr + nfull * T::KBYTES, (size_t)(nunits * T::UNIT_BYTES));
-    kblock<T, R>(buf, xg + nfull * XB, ldx, acc);
+    kblock_at<T, R>(nfull, buf, xg + nfull * XB, ldx, acc);
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) st[r] = acc[r];
+#pragma GCC unroll 24
+  for (int i = 0; i < R * NA; ++i) st[i] = acc[i];
 }
 
 constexpr int G = 16;  // weight rows per row group
@@ -377,25 +460,27 @@ constexpr int G = 16;  // weight rows per row group
 template <class T>
 bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
           int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int NA = NACC<T>;
   const int64_t nkb = (K + T::KB - 1) / T::KB;
-  constexpr int64_t XB = (int64_t)sizeof(XG<T::NV>) * T::GPK;
+  constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;
   const int64_t nchunk = (k + RMAX - 1) / RMAX;
   const int64_t rper = (k + nchunk - 1) / nchunk;  // rows per chunk, balanced
   int64_t PB = k <= 1 ? nkb : (16 * 1024) / (XB * rper);
   if (PB < 1) PB = 1;
-  alignas(64) __m512 st[G * 16];
+  const bool whole = PB >= nkb;  // each weight row read start to end in one go
+  alignas(64) __m512 st[G * 16 * NA];
   __m512* stp = st;
   void* mem = nullptr;
   if (k > 16) {
-    mem = __builtin_malloc(sizeof(__m512) * (size_t)(G * k) + 64);
+    mem = __builtin_malloc(sizeof(__m512) * (size_t)(G * k * NA) + 64);
     if (!mem) return false;
     stp = reinterpret_cast<__m512*>(((uintptr_t)mem + 63) & ~(uintptr_t)63);
   }
   for (int64_t n = n0; n < n1; n += G) {
     const int64_t g = n1 - n < G ? n1 - n : G;
-    for (int64_t i = 0; i < g * k; ++i) stp[i] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < g * k * NA; ++i) stp[i] = _mm512_setzero_ps();
     const uint8_t* wg = w + n * rb;
-    if (nkb > PB && n + G < n1) {  // panels read the rows with gaps: prefetch the next group into L2
+    if (!whole && n + G < n1) {  // panels read the rows with gaps: prefetch the next group into L2
       const uint8_t* nx = wg + G * rb;
       const int64_t gn = n1 - (n + G) < G ? n1 - (n + G) : G;
       for (int64_t off = 0; off < gn * rb; off += 64) _mm_prefetch((const char*)(nx + off), _MM_HINT_T1);
@@ -407,20 +492,25 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
         const uint8_t* xr = xg + r0 * ldx;
         for (int64_t j = 0; j < g; ++j) {
           const uint8_t* wr = wg + j * rb;
-          __m512* s = stp + j * k + r0;
+          __m512* s = stp + (j * k + r0) * NA;
           switch (rr) {
-            case 1: run<T, 1>(wr, K, b0, b1, xr, ldx, s); break;
-            case 2: run<T, 2>(wr, K, b0, b1, xr, ldx, s); break;
-            case 3: run<T, 3>(wr, K, b0, b1, xr, ldx, s); break;
-            case 4: run<T, 4>(wr, K, b0, b1, xr, ldx, s); break;
-            case 5: run<T, 5>(wr, K, b0, b1, xr, ldx, s); break;
-            default: run<T, 6>(wr, K, b0, b1, xr, ldx, s); break;
+            case 1: run<T, 1>(wr, K, b0, b1, xr, ldx, s, whole); break;
+            case 2: run<T, 2>(wr, K, b0, b1, xr, ldx, s, whole); break;
+            case 3: run<T, 3>(wr, K, b0, b1, xr, ldx, s, whole); break;
+            case 4: run<T, 4>(wr, K, b0, b1, xr, ldx, s, whole); break;
+            case 5: run<T, 5>(wr, K, b0, b1, xr, ldx, s, whole); break;
+            default: run<T, 6>(wr, K, b0, b1, xr, ldx, s, whole); break;
           }
         }
       }
     }
     for (int64_t j = 0; j < g; ++j)
-      for (int64_t r = 0; r < k; ++r) y[r * ldy + n + j] = _mm512_reduce_add_ps(stp[j * k + r]);
+      for (int64_t r = 0; r < k; ++r) {
+        const __m512* a = stp + (j * k + r) * NA;
+        __m512 t = _mm512_add_ps(a[0], a[1]);
+        if constexpr (NA == 3) t = _mm512_add_ps(t, a[2]);
+        y[r * ldy + n + j] = _mm512_reduce_add_ps(t);
+      }
   }
   if (mem) __builtin_free(mem);
   return true;
@@ -429,7 +519,7 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
 template <class T>
 int64_t row_bytes_x(int64_t K) {
   const int64_t nkb = (K + T::KB - 1) / T::KB;
-  return nkb * T::GPK * (int64_t)sizeof(XG<T::NV>);
+  return nkb * T::GPK * (int64_t)sizeof(typename T::X);
 }
 
 }  // namespace
@@ -466,18 +556,26 @@ int64_t qmm_prep_bytes_vnni(int qtype, int64_t K) {
   return n;
 }
 
+int64_t qmm_prep_groups_vnni(int qtype, int64_t K) {
+  return qtype == QT_Q6_K ? K / 128 : (K / 32 + 3) / 4;
+}
+
+void qmm_prep_range_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1) {
+  switch (qtype) {
+    case QT_Q6_K: prep_row_q6k(x, xg, G0, G1); break;
+    case QT_Q4_K: prep_row32<KQ4K>(x, K, xg, G0, G1); break;
+    case QT_Q4_0: prep_row32<K32<QT_Q4_0>>(x, K, xg, G0, G1); break;
+    case QT_Q4_1: prep_row32<K32<QT_Q4_1>>(x, K, xg, G0, G1); break;
+    case QT_Q5_0: prep_row32<K32<QT_Q5_0>>(x, K, xg, G0, G1); break;
+    case QT_Q8_0: prep_row32<K32<QT_Q8_0>>(x, K, xg, G0, G1); break;
+    default: break;
+  }
+}
+
 void qmm_prep_vnni(int qtype, const float* x, int64_t k, int64_t K, uint8_t* xg) {
   const int64_t ldx = qmm_prep_bytes_vnni(qtype, K);
-  for (int64_t r = 0; r < k; ++r) {
-    uint8_t* o = xg + r * ldx;
-    if (qtype == QT_Q6_K) {
-      prep_row_q6k(x + r * K, K, o);
-    } else if (qtype == QT_Q4_K) {
-      prep_row32<KQ4K>(x + r * K, K, o);
-    } else {
-      UF_VNNI_DISPATCH(qtype, prep_row32<T>(x + r * K, K, o))
-    }
-  }
+  const int64_t ng = qmm_prep_groups_vnni(qtype, K);
+  for (int64_t r = 0; r < k; ++r) qmm_prep_range_vnni(qtype, x + r * K, K, xg + r * ldx, 0, ng);
 }
 
 bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
@@ -503,6 +601,8 @@ bool vnni_usable() { return false; }
 bool qmm_vnni_supports(int) { return false; }
 int64_t qmm_prep_bytes_vnni(int, int64_t) { return 0; }
 void qmm_prep_vnni(int, const float*, int64_t, int64_t, uint8_t*) {}
+int64_t qmm_prep_groups_vnni(int, int64_t) { return 0; }
+void qmm_prep_range_vnni(int, const float*, int64_t, uint8_t*, int64_t, int64_t) {}
 bool qmm_rows_vnni(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t,
                    int64_t) {
   return false;

@@ -1,0 +1,262 @@
+// One decoder layer in ONE OpenMP parallel region (the VNNI path): the team of threads is woken once per
+// layer and steps through its stages separated by barriers, instead of forking and joining ~10 times
+// (one per matmul, norm, attention). On 2 cores a fork/join costs several microseconds, about as much as
+// a small model's matmul itself; a barrier costs a fraction of that.
+//
+// Stages (each split across the team; a barrier between dependent stages):
+//   rmsnorm -> prep(h) -> q,k,v -> bias, RoPE, cache write -> attention -> prep(att) -> wo -> residual,
+//   rmsnorm -> prep(h2) -> gate, up -> SiLU*up -> prep(g) -> down -> residual.
+// Batch invariance is kept: every output element is computed by one thread with arithmetic that depends
+// only on its own row (the same row functions as the per-op path: qmm_prep_range_vnni, qmm_rows_vnni,
+// attn_group_avx512, and the per-row norm/RoPE loops below); how rows, groups or tasks are split between
+// threads never changes an operation. Matmul stages split the weight rows of all their matrices (q, k and v
+// together; gate and up together) by bytes, in chunks of 16 rows.
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "decoder_layer.h"
+#include "qmatmul_kernels.h"
+
+namespace ultrafast {
+namespace {
+
+inline float lane_sum16(const float* a) {  // the same fixed tree as the per-op kernels
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; ++i) s8[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+void rmsnorm_row(const float* x, const float* w, int64_t d, float eps, float* y) {
+  float a[16] = {0};
+  for (int64_t i = 0; i < d; ++i) a[i & 15] = a[i & 15] + x[i] * x[i];
+  const float mean = lane_sum16(a) / (float)d;
+  const float inv = 1.0f / std::sqrt(mean + eps);
+  for (int64_t i = 0; i < d; ++i) y[i] = (x[i] * inv) * w[i];
+}
+
+inline void split(int64_t n, int nt, int t, int64_t* a, int64_t* b) {
+  *a = n * t / nt;
+  *b = n * (t + 1) / nt;
+}
+
+constexpr int64_t CH = 16;  // weight rows per matmul work chunk
+
+struct Mat {
+  const uint8_t* w;
+  int64_t rb, N, K;
+  int qt;
+  const uint8_t* xg;  // prepared input rows
+  float* y;           // [T, N]
+};
+
+// This thread's share of the matmuls in `m` (split by weight bytes, whole chunks of CH rows).
+bool matmuls(const Mat* m, int nm, int64_t T, int nt, int t) {
+  int64_t total = 0;
+  for (int i = 0; i < nm; ++i) total += m[i].N * m[i].rb;
+  const int64_t lo = total * t / nt, hi = total * (t + 1) / nt;
+  int64_t off = 0;
+  bool ok = true;
+  for (int i = 0; i < nm; ++i) {
+    const int64_t cb = CH * m[i].rb, nch = (m[i].N + CH - 1) / CH;
+    // chunks whose first byte lies in [lo, hi)
+    auto first_at = [&](int64_t b) -> int64_t {
+      if (b <= off) return 0;
+      const int64_t c = (b - off + cb - 1) / cb;
+      return c < nch ? c : nch;
+    };
+    const int64_t c0 = first_at(lo), c1 = first_at(hi);
+    if (c1 > c0) {
+      const int64_t n0 = c0 * CH, n1 = c1 * CH < m[i].N ? c1 * CH : m[i].N;
+      ok &= qmm_rows_vnni(m[i].qt, m[i].xg, T, m[i].K, m[i].w, m[i].rb, m[i].y, m[i].N, n0, n1);
+    }
+    off += m[i].N * m[i].rb;
+  }
+  return ok;
+}
+
+// This thread's share of preparing T rows of x (K wide) for type qt: tasks are (row, group range).
+void prep(int qt, const float* x, int64_t T, int64_t K, uint8_t* xg, int nt, int t) {
+  const int64_t ng = qmm_prep_groups_vnni(qt, K), ldx = qmm_prep_bytes_vnni(qt, K);
+  const int64_t per = 8;  // groups per task
+  const int64_t tpr = (ng + per - 1) / per, ntask = T * tpr;
+  int64_t a, b;
+  split(ntask, nt, t, &a, &b);
+  for (int64_t i = a; i < b; ++i) {
+    const int64_t r = i / tpr, g0 = (i % tpr) * per, g1 = g0 + per < ng ? g0 + per : ng;
+    qmm_prep_range_vnni(qt, x + r * K, K, xg + r * ldx, g0, g1);
+  }
+}
+
+}  // namespace
+
+bool decoder_layer_team_ok(const int* qt, int64_t hd) {
+  if (!(avx512_usable() && vnni_usable()) || hd % 16 != 0) return false;
+  for (int i = 0; i < 7; ++i)
+    if (!qmm_vnni_supports(qt[i])) return false;
+  return true;
+}
+
+bool decoder_layer_team(const LayerArgs& a) {
+  const int64_t T = a.T, d = a.d, hd = a.hd, nq = a.n_heads * hd, nkv = a.n_kv_heads * hd, f = a.f;
+  const int nt = a.nthreads < 1 ? 1 : a.nthreads;
+  // scratch: activations and one prepared-input buffer per distinct use
+  auto xb = [&](int i, int64_t K) { return qmm_prep_bytes_vnni(a.qt[i], K); };
+  std::vector<float> h((size_t)(T * d)), q((size_t)(T * nq)), k((size_t)(T * nkv)), v((size_t)(T * nkv)),
+      att((size_t)(T * nq)), o((size_t)(T * d)), g((size_t)(T * f)), u((size_t)(T * f));
+  // prepared inputs: index by linear (wq, wk, wv share h; w1, w3 share h2); same type -> same buffer
+  std::vector<std::vector<uint8_t>> xg(7);
+  int src[7];
+  for (int i = 0; i < 7; ++i) {
+    src[i] = i;
+    const int first = i < 3 ? 0 : (i == 4 || i == 5) ? 4 : i;
+    for (int j = first; j < i; ++j)
+      if (a.qt[j] == a.qt[i]) {
+        src[i] = src[j];
+        break;
+      }
+    const int64_t K = i == 3 ? nq : (i == 6 ? f : d);
+    if (src[i] == i) xg[i].resize((size_t)(T * xb(i, K) + 64));
+  }
+  auto xgp = [&](int i) {  // the prepared rows are read and written with aligned vector moves
+    return reinterpret_cast<uint8_t*>(((uintptr_t)xg[src[i]].data() + 63) & ~(uintptr_t)63);
+  };
+  // attention tasks: (segment row, kv head, run of gh heads of its group)
+  const int64_t group = a.n_heads / a.n_kv_heads;
+  int64_t gh = group < 6 ? group : 6;
+  while (gh > 1 && T * a.n_kv_heads * ((group + gh - 1) / gh) < 2 * nt) gh = (gh + 1) / 2;
+  const int64_t nsub = (group + gh - 1) / gh;
+  int64_t maxlen = 0;
+  std::vector<int64_t> seg_of((size_t)T), pos_of((size_t)T);
+  for (int64_t s = 0, row = 0; s < a.nseg; ++s)
+    for (int64_t i = 0; i < a.lens[s]; ++i, ++row) {
+      seg_of[row] = s;
+      pos_of[row] = a.starts[s] + i;
+      maxlen = maxlen > pos_of[row] + 1 ? maxlen : pos_of[row] + 1;
+    }
+  const int64_t lds = (maxlen + 16 + 15) / 16 * 16;
+  std::vector<float> scores((size_t)(nt * gh * lds));
+  bool ok = true;
+  float* x = a.x;
+
+#pragma omp parallel num_threads(nt) reduction(&& : ok)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    int64_t r0, r1;
+    // 1. h = rmsnorm(x); prepare h for wq/wk/wv
+    split(T, n, t, &r0, &r1);
+    for (int64_t r = r0; r < r1; ++r) rmsnorm_row(x + r * d, a.attn_norm, d, a.eps, h.data() + r * d);
+#pragma omp barrier
+    for (int i = 0; i < 3; ++i)
+      if (src[i] == i) prep(a.qt[i], h.data(), T, d, xgp(i), n, t);
+#pragma omp barrier
+    {
+      const Mat m[3] = {{a.w[0], a.rb[0], nq, d, a.qt[0], xgp(0), q.data()},
+                        {a.w[1], a.rb[1], nkv, d, a.qt[1], xgp(1), k.data()},
+                        {a.w[2], a.rb[2], nkv, d, a.qt[2], xgp(2), v.data()}};
+      ok = matmuls(m, 3, T, n, t) && ok;
+    }
+#pragma omp barrier
+    // 2. bias, RoPE (rotate-half), write the row's key and value into its sequence's cache
+    split(T, n, t, &r0, &r1);
+    {
+      std::vector<float> tmp((size_t)hd);
+      const int64_t half = hd / 2;
+      for (int64_t r = r0; r < r1; ++r) {
+        float* qr = q.data() + r * nq;
+        float* kr = k.data() + r * nkv;
+        float* vr = v.data() + r * nkv;
+        if (a.bq) {
+          for (int64_t i = 0; i < nq; ++i) qr[i] += a.bq[i];
+          for (int64_t i = 0; i < nkv; ++i) kr[i] += a.bk[i];
+          for (int64_t i = 0; i < nkv; ++i) vr[i] += a.bv[i];
+        }
+        const float* c = a.cos + r * hd;
+        const float* s = a.sin + r * hd;
+        auto rope = [&](float* row) {
+          for (int64_t i = 0; i < hd; ++i) {
+            const float rot = i < half ? -row[i + half] : row[i - half];
+            tmp[i] = row[i] * c[i] + rot * s[i];
+          }
+          std::memcpy(row, tmp.data(), sizeof(float) * hd);
+        };
+        for (int64_t hh = 0; hh < a.n_heads; ++hh) rope(qr + hh * hd);
+        for (int64_t hh = 0; hh < a.n_kv_heads; ++hh) rope(kr + hh * hd);
+        const int64_t s_ = seg_of[r], p = pos_of[r];
+        for (int64_t hh = 0; hh < a.n_kv_heads; ++hh) {
+          std::memcpy(a.kc[s_] + hh * a.ks0[s_] + p * hd, kr + hh * hd, sizeof(float) * hd);
+          std::memcpy(a.vc[s_] + hh * a.vs0[s_] + p * hd, vr + hh * hd, sizeof(float) * hd);
+        }
+      }
+    }
+#pragma omp barrier
+    // 3. attention: each row attends to its own sequence's cache up to its position
+    {
+      int64_t t0, t1;
+      split(T * a.n_kv_heads * nsub, n, t, &t0, &t1);
+      float* sc = scores.data() + (size_t)t * gh * lds;
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t i = task / (a.n_kv_heads * nsub), rem = task % (a.n_kv_heads * nsub);
+        const int64_t kvh = rem / nsub, sub = rem % nsub;
+        const int64_t h0 = kvh * group + sub * gh;
+        const int64_t hn = gh < (kvh + 1) * group - h0 ? gh : (kvh + 1) * group - h0;
+        const int64_t s_ = seg_of[i];
+        attn_group_avx512(q.data() + (i * a.n_heads + h0) * hd, (int)hn, a.kc[s_] + kvh * a.ks0[s_],
+                          a.vc[s_] + kvh * a.vs0[s_], pos_of[i] + 1, hd, a.scale, sc, lds,
+                          att.data() + (i * a.n_heads + h0) * hd);
+      }
+    }
+#pragma omp barrier
+    prep(a.qt[3], att.data(), T, nq, xgp(3), n, t);
+#pragma omp barrier
+    {
+      const Mat m[1] = {{a.w[3], a.rb[3], d, nq, a.qt[3], xgp(3), o.data()}};
+      ok = matmuls(m, 1, T, n, t) && ok;
+    }
+#pragma omp barrier
+    // 4. x += o; h = rmsnorm(x); prepare h for gate/up
+    split(T, n, t, &r0, &r1);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t i = 0; i < d; ++i) x[r * d + i] += o[r * d + i];
+      rmsnorm_row(x + r * d, a.ffn_norm, d, a.eps, h.data() + r * d);
+    }
+#pragma omp barrier
+    for (int i = 4; i < 6; ++i)
+      if (src[i] == i) prep(a.qt[i], h.data(), T, d, xgp(i), n, t);
+#pragma omp barrier
+    {
+      const Mat m[2] = {{a.w[4], a.rb[4], f, d, a.qt[4], xgp(4), g.data()},
+                        {a.w[5], a.rb[5], f, d, a.qt[5], xgp(5), u.data()}};
+      ok = matmuls(m, 2, T, n, t) && ok;
+    }
+#pragma omp barrier
+    // 5. g = silu(g) * u (elementwise), prepare g for down, x += down(g)
+    {
+      int64_t e0, e1;
+      split(T * f, n, t, &e0, &e1);
+      for (int64_t i = e0; i < e1; ++i) {
+        const float z = g[i];
+        g[i] = z / (1.0f + std::exp(-z)) * u[i];
+      }
+    }
+#pragma omp barrier
+    prep(a.qt[6], g.data(), T, f, xgp(6), n, t);
+#pragma omp barrier
+    {
+      const Mat m[1] = {{a.w[6], a.rb[6], d, f, a.qt[6], xgp(6), o.data()}};
+      ok = matmuls(m, 1, T, n, t) && ok;
+    }
+#pragma omp barrier
+    {
+      int64_t e0, e1;
+      split(T * d, n, t, &e0, &e1);
+      for (int64_t i = e0; i < e1; ++i) x[i] += o[i];
+    }
+  }
+  return ok;
+}
+
+}  // namespace ultrafast

@@ -1,0 +1,29 @@
+// One decoder layer in one OpenMP parallel region (decoder_layer.cpp); plain pointers, no torch.
+#pragma once
+#include <stdint.h>
+
+namespace ultrafast {
+
+struct LayerArgs {
+  int64_t T, d, f, n_heads, n_kv_heads, hd;
+  float eps, scale;
+  float* x;  // [T, d], updated in place
+  const float *attn_norm, *ffn_norm;
+  const uint8_t* w[7];  // wq, wk, wv, wo, w1 (gate), w3 (up), w2 (down): raw GGUF rows
+  int64_t rb[7];        // row strides in bytes
+  int qt[7];
+  const float *bq, *bk, *bv;  // or null
+  int64_t nseg;
+  const int64_t *starts, *lens;
+  float *const *kc, *const *vc;  // per sequence: [n_kv_heads, max_len, hd] caches, rows contiguous
+  const int64_t *ks0, *vs0;
+  const float *cos, *sin;  // [T, hd]
+  int nthreads;
+};
+
+// Whether the team path can run this layer (VNNI CPU, every linear a VNNI type, head_dim % 16 == 0).
+bool decoder_layer_team_ok(const int* qt, int64_t hd);
+// Runs the layer; false if a kernel ran out of memory.
+bool decoder_layer_team(const LayerArgs& a);
+
+}  // namespace ultrafast
