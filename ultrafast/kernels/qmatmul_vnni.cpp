@@ -209,12 +209,15 @@ struct KQ4K {
   using X = XG<4>;
   static UF_INLINE int bm(int i) { return i == 1 ? 2 : (i == 2 ? 1 : i); }  // lanes hold sub-blocks 0,2,1,3
   static UF_INLINE __m512 scales(const uint8_t* p) {
-    const uint32_t s0 = rd32(p + 4), s1 = rd32(p + 8), s2 = rd32(p + 12);
-    const uint32_t u0 = s0 & 0x3f3f3f3fu;
-    const uint32_t u1 = (s2 & 0x0f0f0f0fu) | (((s0 >> 6) & 0x03030303u) << 4);
-    const uint32_t u2 = s1 & 0x3f3f3f3fu;
-    const uint32_t u3 = ((s2 >> 4) & 0x0f0f0f0fu) | (((s1 >> 6) & 0x03030303u) << 4);
-    const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_setr_epi32((int)u0, (int)u1, (int)u2, (int)u3)));
+    // the 12 bytes of 6-bit scales/mins as 32-bit words s0, s1, s2 (ggml's get_scale_min_k4, 4 at a time):
+    //   sc0..3 = s0 & 63, m0..3 = s1 & 63, sc4..7 = (s2 & 15) | (s0 >> 6) << 4, m4..7 = (s2 >> 4) | (s1 >> 6) << 4
+    const __m128i S = load128(p + 4);
+    __m128i A = _mm_shuffle_epi32(S, _MM_SHUFFLE(2, 1, 2, 0));  // s0, s2, s1, s2
+    A = _mm_and_si128(_mm_srlv_epi32(A, _mm_setr_epi32(0, 0, 0, 4)),
+                      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i B = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(S, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));  // s0, s0, s1, s1
+    const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(A, B)));
     const int hd2 = (int)rd32(p);
     const __m512 dd = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                             _mm512_zextps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(hd2))));
@@ -452,6 +455,69 @@ __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t K, int6
   for (int i = 0; i < R * NA; ++i) st[i] = acc[i];
 }
 
+// One activation row against NB weight rows (rb bytes apart) at once: each group's prepared x is loaded
+// once for the NB rows (with one activation row, x loads rather than arithmetic were the limit). Per weight
+// row the operations are exactly kblock<T, 1, PAR>'s.
+template <class T, int NB, int PAR>
+UF_INLINE void kblock_nb(const uint8_t* p, int64_t rb, const uint8_t* xg, __m512* acc) {
+  using X = typename T::X;
+  constexpr int NA = NACC<T>;
+  typename T::Ctx ctx[NB];
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j) ctx[j] = T::context(p + j * rb);
+#pragma GCC unroll 4
+  for (int g = 0; g < T::GPK; ++g) {
+    const X* xr = reinterpret_cast<const X*>(xg) + g;
+    __m512i xq[T::NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < T::NV; ++v) xq[v] = xr->xq[v];
+    const __m512 xs = xr->s;
+    const int c = (PAR + g) & 1;
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      __m512i W[T::NV];
+      __m512 dv[2], mvec;
+      T::decode(p + j * rb, g, ctx[j], W, dv, mvec);
+      __m512i ia = _mm512_dpwssd_epi32(T::IOFF ? xr->ioff : _mm512_setzero_si512(), W[0], xq[0]);
+      __m512i ib = _mm512_madd_epi16(W[1], xq[1]);
+      ia = _mm512_dpwssd_epi32(ia, W[2], xq[2]);
+      ib = _mm512_dpwssd_epi32(ib, W[3], xq[3]);
+      ia = _mm512_add_epi32(ia, ib);
+      const __m512 t = _mm512_mul_ps(dv[0], xs);
+      acc[j * NA + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), t, acc[j * NA + c]);
+      if constexpr (T::MINS > 0) acc[j * NA + 2] = _mm512_fmadd_ps(mvec, xr->xsf, acc[j * NA + 2]);
+      if constexpr (T::MINS < 0) acc[j * NA + 2] = _mm512_fnmadd_ps(mvec, xr->xsf, acc[j * NA + 2]);
+    }
+  }
+}
+
+// Whole rows [0, K) of NB weight rows for one activation row; st[j * NACC ..] as in run().
+template <class T, int NB>
+__attribute__((noinline)) void run_nb(const uint8_t* __restrict wr, int64_t rb, int64_t K,
+                                      const uint8_t* __restrict xg, __m512* st) {
+  const int64_t nfull = K / T::KB;
+  constexpr int NA = NACC<T>;
+  constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;
+  __m512 acc[NB * NA];
+#pragma GCC unroll 24
+  for (int i = 0; i < NB * NA; ++i) acc[i] = st[i];
+  for (int64_t b = 0; b < nfull; ++b) {
+    const uint8_t* p = wr + b * T::KBYTES;
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 4
+      for (int o = 0; o < T::KBYTES; o += 64) _mm_prefetch((const char*)(p + j * rb + PF_DIST + o), _MM_HINT_T0);
+    if (T::GPK == 1 && (b & 1))
+      kblock_nb<T, NB, 1>(p, rb, xg + b * XB, acc);
+    else
+      kblock_nb<T, NB, 0>(p, rb, xg + b * XB, acc);
+  }
+#pragma GCC unroll 24
+  for (int i = 0; i < NB * NA; ++i) st[i] = acc[i];
+  if (nfull * T::KB < K)  // partial last kernel block: per row, through run()
+    for (int j = 0; j < NB; ++j) run<T, 1>(wr + j * rb, K, nfull, nfull + 1, xg, 0, st + j * NA, false);
+}
+
 constexpr int G = 16;  // weight rows per row group
 
 // Weight rows are visited in groups of G; K is cut into panels so that the prepared x of one row chunk
@@ -490,7 +556,10 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
       for (int64_t r0 = 0; r0 < k; r0 += rper) {
         const int64_t rr = k - r0 < rper ? k - r0 : rper;
         const uint8_t* xr = xg + r0 * ldx;
-        for (int64_t j = 0; j < g; ++j) {
+        int64_t j0 = 0;
+        if (rr == 1 && k == 1 && whole && !T::SPLIT)  // one activation row: 2 weight rows per x load
+          for (; j0 + 2 <= g; j0 += 2) run_nb<T, 2>(wg + j0 * rb, rb, K, xr, stp + j0 * NA);
+        for (int64_t j = j0; j < g; ++j) {
           const uint8_t* wr = wg + j * rb;
           __m512* s = stp + (j * k + r0) * NA;
           switch (rr) {
