@@ -19,6 +19,7 @@ class KVCache:
         shape = (config.n_layers, config.n_kv_heads, max_len, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k_layers, self.v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))  # views, made once
         self.max_len = max_len
         self.tokens: list[int] = []
 

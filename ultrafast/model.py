@@ -143,15 +143,18 @@ class Transformer(nn.Module):
         """Several sequences in one pass (continuous batching): tokens holds lens[s] rows of sequence s at
         positions starts[s].., each with its own cache. Returns logits of every row (all_logits) or of each
         sequence's last row [n_sequences, vocab]. Rows never influence each other's values."""
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(tokens.device)
         # [T, D], once per pass for every layer; a table, so a position's values never depend on the batch
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        if len(starts) == 1:  # one sequence: a slice of the table (no gather)
+            cos, sin = self.rope_cos[starts[0]:starts[0] + lens[0]], self.rope_sin[starts[0]:starts[0] + lens[0]]
+        else:
+            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(tokens.device)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
-            segments = [(s, n, c.k[i], c.v[i]) for s, n, c in zip(starts, lens, caches)]
+            segments = [(s, n, c.k_layers[i], c.v_layers[i]) for s, n, c in zip(starts, lens, caches)]
             x = layer(x, cos, sin, segments)
         if not all_logits:
-            x = x[torch.tensor(lens, device=x.device).cumsum(0) - 1]
+            x = x[-1:] if len(lens) == 1 else x[torch.tensor(lens, device=x.device).cumsum(0) - 1]
         return self.output(self.norm(x)).float()
 
     def weight_bytes_per_token(self) -> int:

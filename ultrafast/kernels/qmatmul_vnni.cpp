@@ -372,7 +372,7 @@ template <class T>
 constexpr int NACC = T::MINS ? 3 : 2;
 
 // Prefetch distance (bytes ahead in the weight stream) when a call reads each weight row from start to end.
-constexpr int64_t PF_DIST = 1536;
+constexpr int64_t PF_DIST = 3072;
 
 template <class T, int R, int PAR>
 UF_INLINE void kblock(const uint8_t* p, const uint8_t* xg, int64_t ldx, __m512* acc) {
