@@ -408,102 +408,62 @@ UF_INLINE void kblock_at(int64_t b, const uint8_t* p, const uint8_t* xg, int64_t
     kblock<T, R, 0>(p, xg, ldx, acc);
 }
 
-// Kernel blocks [b0, b1) of one weight row for R activation rows; the accumulators live in st (st[r*NACC..])
-// between K panels (an exact round trip through memory). b1 may include the partial last kernel block
-// (b == nfull). With `pf` the weight stream is prefetched PF_DIST bytes ahead (rows are read whole and in
-// address order then, so the next row's bytes are what is ahead).
+// One weight row against R activation rows: y[r * ldy] for r < R. The weight stream is prefetched PF_DIST
+// bytes ahead (rows are read whole and in address order, so the next row's bytes are what is ahead). A row
+// whose K is not a multiple of KB ends in a partial kernel block, decoded from a zero-padded copy (x is
+// zero-padded too).
 template <class T, int R>
-__attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t K, int64_t b0, int64_t b1,
-                                   const uint8_t* __restrict xg, int64_t ldx, __m512* st, bool pf) {
+__attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t K, const uint8_t* __restrict xg,
+                                   int64_t ldx, float* y, int64_t ldy) {
   const int64_t nfull = K / T::KB;
   constexpr int NA = NACC<T>;
   constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;  // x bytes per kernel block
   __m512 acc[R * NA];
 #pragma GCC unroll 24
-  for (int i = 0; i < R * NA; ++i) acc[i] = st[i];
-  const int64_t bf = b1 < nfull ? b1 : nfull;
-  if (pf) {
-    for (int64_t b = b0; b < bf; ++b) {
-      const uint8_t* p = wr + b * T::KBYTES;
+  for (int i = 0; i < R * NA; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nfull; ++b) {
+    const uint8_t* p = wr + b * T::KBYTES;
 #pragma GCC unroll 4
-      for (int o = 0; o < T::KBYTES; o += 64) _mm_prefetch((const char*)(p + PF_DIST + o), _MM_HINT_T0);
-      kblock_at<T, R>(b, p, xg + b * XB, ldx, acc);
-    }
-  } else {
-    for (int64_t b = b0; b < bf; ++b) kblock_at<T, R>(b, wr + b * T::KBYTES, xg + b * XB, ldx, acc);
+    for (int o = 0; o < T::KBYTES; o += 64) _mm_prefetch((const char*)(p + PF_DIST + o), _MM_HINT_T0);
+    kblock_at<T, R>(b, p, xg + b * XB, ldx, acc);
   }
-  if (b1 > nfull) {  // partial last kernel block from a zero-padded copy (x is zero-padded too)
+  if (nfull * T::KB < K) {
     const int64_t nunits = (K - nfull * T::KB) / T::UNIT;
     alignas(64) uint8_t buf[T::KBYTES + 64];
     for (int i = 0; i < T::KBYTES + 64; ++i) buf[i] = 0;
     __builtin_memcpy(buf, wr + nfull * T::KBYTES, (size_t)(nunits * T::UNIT_BYTES));
     kblock_at<T, R>(nfull, buf, xg + nfull * XB, ldx, acc);
   }
-#pragma GCC unroll 24
-  for (int i = 0; i < R * NA; ++i) st[i] = acc[i];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    __m512 t = _mm512_add_ps(acc[r * NA], acc[r * NA + 1]);
+    if constexpr (NA == 3) t = _mm512_add_ps(t, acc[r * NA + 2]);
+    y[r * ldy] = _mm512_reduce_add_ps(t);
+  }
 }
 
-constexpr int G = 16;  // weight rows per row group
-
-// Weight rows are visited in groups of G; K is cut into panels so that the prepared x of one row chunk
-// (up to RMAX rows) stays in L1 while the G weight rows sweep it. With one activation row the whole row
-// is one panel (x streams from L2 fast enough, and the weights stream from memory without gaps).
+// Weight rows [n0, n1), each read whole once per chunk of up to RMAX activation rows (chunks balanced).
 template <class T>
 bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
           int64_t ldy, int64_t n0, int64_t n1) {
-  constexpr int NA = NACC<T>;
-  const int64_t nkb = (K + T::KB - 1) / T::KB;
-  constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;
   const int64_t nchunk = (k + RMAX - 1) / RMAX;
-  const int64_t rper = (k + nchunk - 1) / nchunk;  // rows per chunk, balanced
-  int64_t PB = k <= 1 ? nkb : (16 * 1024) / (XB * rper);
-  if (PB < 1) PB = 1;
-  const bool whole = PB >= nkb;  // each weight row read start to end in one go
-  alignas(64) __m512 st[G * 16 * NA];
-  __m512* stp = st;
-  void* mem = nullptr;
-  if (k > 16) {
-    mem = __builtin_malloc(sizeof(__m512) * (size_t)(G * k * NA) + 64);
-    if (!mem) return false;
-    stp = reinterpret_cast<__m512*>(((uintptr_t)mem + 63) & ~(uintptr_t)63);
-  }
-  for (int64_t n = n0; n < n1; n += G) {
-    const int64_t g = n1 - n < G ? n1 - n : G;
-    for (int64_t i = 0; i < g * k * NA; ++i) stp[i] = _mm512_setzero_ps();
-    const uint8_t* wg = w + n * rb;
-    if (!whole && n + G < n1) {  // panels read the rows with gaps: prefetch the next group into L2
-      const uint8_t* nx = wg + G * rb;
-      const int64_t gn = n1 - (n + G) < G ? n1 - (n + G) : G;
-      for (int64_t off = 0; off < gn * rb; off += 64) _mm_prefetch((const char*)(nx + off), _MM_HINT_T1);
-    }
-    for (int64_t b0 = 0; b0 < nkb; b0 += PB) {
-      const int64_t b1 = b0 + PB < nkb ? b0 + PB : nkb;
-      for (int64_t r0 = 0; r0 < k; r0 += rper) {
-        const int64_t rr = k - r0 < rper ? k - r0 : rper;
-        const uint8_t* xr = xg + r0 * ldx;
-        for (int64_t j = 0; j < g; ++j) {
-          const uint8_t* wr = wg + j * rb;
-          __m512* s = stp + (j * k + r0) * NA;
-          switch (rr) {
-            case 1: run<T, 1>(wr, K, b0, b1, xr, ldx, s, whole); break;
-            case 2: run<T, 2>(wr, K, b0, b1, xr, ldx, s, whole); break;
-            case 3: run<T, 3>(wr, K, b0, b1, xr, ldx, s, whole); break;
-            case 4: run<T, 4>(wr, K, b0, b1, xr, ldx, s, whole); break;
-            case 5: run<T, 5>(wr, K, b0, b1, xr, ldx, s, whole); break;
-            default: run<T, 6>(wr, K, b0, b1, xr, ldx, s, whole); break;
-          }
-        }
+  const int64_t rper = (k + nchunk - 1) / nchunk;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * rb;
+    for (int64_t r0 = 0; r0 < k; r0 += rper) {
+      const int64_t rr = k - r0 < rper ? k - r0 : rper;
+      const uint8_t* xr = xg + r0 * ldx;
+      float* yr = y + r0 * ldy + n;
+      switch (rr) {
+        case 1: run<T, 1>(wr, K, xr, ldx, yr, ldy); break;
+        case 2: run<T, 2>(wr, K, xr, ldx, yr, ldy); break;
+        case 3: run<T, 3>(wr, K, xr, ldx, yr, ldy); break;
+        case 4: run<T, 4>(wr, K, xr, ldx, yr, ldy); break;
+        case 5: run<T, 5>(wr, K, xr, ldx, yr, ldy); break;
+        default: run<T, 6>(wr, K, xr, ldx, yr, ldy); break;
       }
     }
-    for (int64_t j = 0; j < g; ++j)
-      for (int64_t r = 0; r < k; ++r) {
-        const __m512* a = stp + (j * k + r) * NA;
-        __m512 t = _mm512_add_ps(a[0], a[1]);
-        if constexpr (NA == 3) t = _mm512_add_ps(t, a[2]);
-        y[r * ldy + n + j] = _mm512_reduce_add_ps(t);
-      }
   }
-  if (mem) __builtin_free(mem);
   return true;
 }
 
