@@ -24,7 +24,7 @@
 // Batch invariance: every output y[r][n] is one fixed sequence of operations that depends only on
 // (qtype, K, weight row n, activation row r): per group the integer dot products (exact, in any order),
 // one convert, one mul (d_w * s), one fma into accumulator A (groups of even index in the row) or B (odd),
-// then (Q4_1/Q4_K) one fma into accumulator M for the mins; groups in order; at the end (A + B) + M and a
+// then (Q4_1/Q4_K) one fma for the mins into the same accumulator; groups in order; at the end A + B and a
 // fixed horizontal sum. Two chains instead of one halve the wait on FMA latency. The tile size R, the row
 // range and the thread never change that sequence; the unit is built with -ffp-contract=off.
 // With one activation row the weight stream is also prefetched PF_DIST bytes ahead (measured on the
@@ -360,13 +360,14 @@ void prep_row_q6k(const float* x, uint8_t* out, int64_t G0, int64_t G1) {
 
 // ---- driver -----------------------------------------------------------------------------------------
 
-constexpr int RMAX = 6;
+constexpr int RMAX = 8;
 
-// Accumulators per (weight row, activation row): two fp32 chains for the scaled block sums (groups of even
-// and odd global index, so consecutive groups do not wait on each other's FMA latency) and, for the types
-// with mins, a third chain for them. Which chain a group feeds depends only on its index in the row.
+// Accumulators per (weight row, activation row): two fp32 chains, A for the groups of even global index in the
+// row and B for the odd ones (so consecutive groups do not wait on each other's FMA latency); a group's mins
+// term (Q4_1, Q4_K) goes into the same chain right after its block sums. Two chains, not three, leave
+// registers for 8 activation rows per weight-row pass.
 template <class T>
-constexpr int NACC = T::MINS ? 3 : 2;
+constexpr int NACC = 2;
 
 // Prefetch distance (bytes ahead in the weight stream) when a call reads each weight row from start to end.
 constexpr int64_t PF_DIST = 3072;
@@ -394,8 +395,8 @@ UF_INLINE void kblock(const uint8_t* p, const uint8_t* xg, int64_t ldx, __m512* 
       ia = _mm512_add_epi32(ia, ib);
       const __m512 t = _mm512_mul_ps(dvec, xr->s);
       acc[r * NA + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), t, acc[r * NA + c]);
-      if constexpr (T::MINS > 0) acc[r * NA + 2] = _mm512_fmadd_ps(mvec, xr->xsf, acc[r * NA + 2]);
-      if constexpr (T::MINS < 0) acc[r * NA + 2] = _mm512_fnmadd_ps(mvec, xr->xsf, acc[r * NA + 2]);
+      if constexpr (T::MINS > 0) acc[r * NA + c] = _mm512_fmadd_ps(mvec, xr->xsf, acc[r * NA + c]);
+      if constexpr (T::MINS < 0) acc[r * NA + c] = _mm512_fnmadd_ps(mvec, xr->xsf, acc[r * NA + c]);
     }
   }
 }
@@ -436,9 +437,7 @@ __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t K, cons
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    __m512 t = _mm512_add_ps(acc[r * NA], acc[r * NA + 1]);
-    if constexpr (NA == 3) t = _mm512_add_ps(t, acc[r * NA + 2]);
-    y[r * ldy] = _mm512_reduce_add_ps(t);
+    y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r * NA], acc[r * NA + 1]));
   }
 }
 
@@ -460,7 +459,9 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
         case 3: run<T, 3>(wr, K, xr, ldx, yr, ldy); break;
         case 4: run<T, 4>(wr, K, xr, ldx, yr, ldy); break;
         case 5: run<T, 5>(wr, K, xr, ldx, yr, ldy); break;
-        default: run<T, 6>(wr, K, xr, ldx, yr, ldy); break;
+        case 6: run<T, 6>(wr, K, xr, ldx, yr, ldy); break;
+        case 7: run<T, 7>(wr, K, xr, ldx, yr, ldy); break;
+        default: run<T, 8>(wr, K, xr, ldx, yr, ldy); break;
       }
     }
   }
