@@ -441,30 +441,100 @@ __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t K, cons
   }
 }
 
-// Weight rows [n0, n1), each read whole once per chunk of up to RMAX activation rows (chunks balanced).
+// Kernel blocks [b0, b1) of one weight row for R activation rows, accumulators kept in st (st[r * NACC ..])
+// between calls (an exact round trip through memory), for the tiled schedule of many activation rows.
+template <class T, int R>
+__attribute__((noinline)) void run_panel(const uint8_t* __restrict wr, int64_t K, int64_t b0, int64_t b1,
+                                         const uint8_t* __restrict xg, int64_t ldx, __m512* st) {
+  const int64_t nfull = K / T::KB;
+  constexpr int NA = NACC<T>;
+  constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;
+  __m512 acc[R * NA];
+#pragma GCC unroll 16
+  for (int i = 0; i < R * NA; ++i) acc[i] = st[i];
+  const int64_t bf = b1 < nfull ? b1 : nfull;
+  for (int64_t b = b0; b < bf; ++b) kblock_at<T, R>(b, wr + b * T::KBYTES, xg + b * XB, ldx, acc);
+  if (b1 > nfull) {  // the partial last kernel block, as in run()
+    const int64_t nunits = (K - nfull * T::KB) / T::UNIT;
+    alignas(64) uint8_t buf[T::KBYTES + 64];
+    for (int i = 0; i < T::KBYTES + 64; ++i) buf[i] = 0;
+    __builtin_memcpy(buf, wr + nfull * T::KBYTES, (size_t)(nunits * T::UNIT_BYTES));
+    kblock_at<T, R>(nfull, buf, xg + nfull * XB, ldx, acc);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R * NA; ++i) st[i] = acc[i];
+}
+
+// Weight rows [n0, n1).
+// - Up to RMAX activation rows (decode, verification): each weight row is read whole, once, by run().
+// - More (prefill): tiles of G weight rows x all activation rows x K panels sized so that the prepared x of
+//   one chunk of rows stays in L1 while the G weight rows sweep it (x of 100+ rows would stream from L3
+//   for every weight row otherwise); the next tile's weights are prefetched into L2.
+// Both give every output the same operations in the same order (run_panel continues run's chains).
 template <class T>
 bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
           int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t nchunk = (k + RMAX - 1) / RMAX;
-  const int64_t rper = (k + nchunk - 1) / nchunk;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * rb;
-    for (int64_t r0 = 0; r0 < k; r0 += rper) {
-      const int64_t rr = k - r0 < rper ? k - r0 : rper;
-      const uint8_t* xr = xg + r0 * ldx;
-      float* yr = y + r0 * ldy + n;
-      switch (rr) {
-        case 1: run<T, 1>(wr, K, xr, ldx, yr, ldy); break;
-        case 2: run<T, 2>(wr, K, xr, ldx, yr, ldy); break;
-        case 3: run<T, 3>(wr, K, xr, ldx, yr, ldy); break;
-        case 4: run<T, 4>(wr, K, xr, ldx, yr, ldy); break;
-        case 5: run<T, 5>(wr, K, xr, ldx, yr, ldy); break;
-        case 6: run<T, 6>(wr, K, xr, ldx, yr, ldy); break;
-        case 7: run<T, 7>(wr, K, xr, ldx, yr, ldy); break;
-        default: run<T, 8>(wr, K, xr, ldx, yr, ldy); break;
+  if (k <= RMAX) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = w + n * rb;
+      float* yr = y + n;
+      switch (k) {
+        case 1: run<T, 1>(wr, K, xg, ldx, yr, ldy); break;
+        case 2: run<T, 2>(wr, K, xg, ldx, yr, ldy); break;
+        case 3: run<T, 3>(wr, K, xg, ldx, yr, ldy); break;
+        case 4: run<T, 4>(wr, K, xg, ldx, yr, ldy); break;
+        case 5: run<T, 5>(wr, K, xg, ldx, yr, ldy); break;
+        case 6: run<T, 6>(wr, K, xg, ldx, yr, ldy); break;
+        case 7: run<T, 7>(wr, K, xg, ldx, yr, ldy); break;
+        default: run<T, 8>(wr, K, xg, ldx, yr, ldy); break;
       }
     }
+    return true;
   }
+  constexpr int G = 16, NA = NACC<T>, RP = 6;  // rows per chunk in the tiled schedule
+  const int64_t nkb = (K + T::KB - 1) / T::KB;
+  constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;
+  const int64_t nchunk = (k + RP - 1) / RP, rper = (k + nchunk - 1) / nchunk;
+  int64_t PB = (16 * 1024) / (XB * rper);
+  if (PB < 1) PB = 1;
+  void* mem = __builtin_malloc(sizeof(__m512) * (size_t)(G * k * NA) + 64);
+  if (!mem) return false;
+  __m512* st = reinterpret_cast<__m512*>(((uintptr_t)mem + 63) & ~(uintptr_t)63);
+  for (int64_t n = n0; n < n1; n += G) {
+    const int64_t g = n1 - n < G ? n1 - n : G;
+    for (int64_t i = 0; i < g * k * NA; ++i) st[i] = _mm512_setzero_ps();
+    const uint8_t* wg = w + n * rb;
+    if (n + G < n1) {
+      const uint8_t* nx = wg + G * rb;
+      const int64_t gn = n1 - (n + G) < G ? n1 - (n + G) : G;
+      for (int64_t off = 0; off < gn * rb; off += 64) _mm_prefetch((const char*)(nx + off), _MM_HINT_T1);
+    }
+    for (int64_t b0 = 0; b0 < nkb; b0 += PB) {
+      const int64_t b1 = b0 + PB < nkb ? b0 + PB : nkb;
+      for (int64_t r0 = 0; r0 < k; r0 += rper) {
+        const int64_t rr = k - r0 < rper ? k - r0 : rper;
+        const uint8_t* xr = xg + r0 * ldx;
+        for (int64_t j = 0; j < g; ++j) {
+          const uint8_t* wr = wg + j * rb;
+          __m512* s = st + (j * k + r0) * NA;
+          switch (rr) {
+            case 1: run_panel<T, 1>(wr, K, b0, b1, xr, ldx, s); break;
+            case 2: run_panel<T, 2>(wr, K, b0, b1, xr, ldx, s); break;
+            case 3: run_panel<T, 3>(wr, K, b0, b1, xr, ldx, s); break;
+            case 4: run_panel<T, 4>(wr, K, b0, b1, xr, ldx, s); break;
+            case 5: run_panel<T, 5>(wr, K, b0, b1, xr, ldx, s); break;
+            default: run_panel<T, 6>(wr, K, b0, b1, xr, ldx, s); break;
+          }
+        }
+      }
+    }
+    for (int64_t j = 0; j < g; ++j)
+      for (int64_t r = 0; r < k; ++r) {
+        const __m512* a = st + (j * k + r) * NA;
+        y[r * ldy + n + j] = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+      }
+  }
+  __builtin_free(mem);
   return true;
 }
 

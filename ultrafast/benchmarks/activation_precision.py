@@ -1,0 +1,96 @@
+"""Why the VNNI kernels round activations to int16, not to int8 as llama.cpp does.
+
+    python -m ultrafast.benchmarks.activation_precision [--model smollm2-135m] [--bits 8] [--tokens 64]
+
+Runs Hugging Face transformers on the GGUF in fp32 twice: as is, and with the input of every linear layer
+rounded per block of 32 values to signed `bits`-bit integers (s = max|x| / (2^(bits-1) - 1), x = rint(x/s) * s:
+the activation quantization of our kernels, or of llama.cpp's q8 dot products at 8 bits). Prints, for the
+test prompts of tests/test_reference_hf.py, the largest last-token logit difference and whether greedy
+decoding of `--tokens` tokens stays identical. Needs the `test` extra (transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "What is 17 * 23? Show your working.",
+    "Hi! How are you today?",
+    "Explain what a hash map is to a beginner.",
+    "Translate to French: The weather is nice today.",
+    "Write a haiku about the sea.",
+    "If a train travels 60 km in 45 minutes, what is its speed in km/h?",
+    "Give me three tips for writing clean code.",
+]
+
+
+def rounding_hook(bits: int):
+    top = float(2 ** (bits - 1) - 1)
+
+    def hook(_module, inputs):
+        x = inputs[0]
+        xb = x.reshape(-1, 32)
+        s = xb.abs().amax(-1, keepdim=True) / top
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        return ((torch.round(xb / safe) * s).reshape(x.shape),)
+
+    return hook
+
+
+@torch.no_grad()
+def greedy(model, ids: list[int], n: int) -> list[int]:
+    x = torch.tensor([ids])
+    out = model(x, attention_mask=torch.ones_like(x), use_cache=True)
+    past, toks = out.past_key_values, []
+    for _ in range(n):
+        toks.append(int(out.logits[0, -1].argmax()))
+        mask = torch.ones(1, len(ids) + len(toks), dtype=torch.long)
+        out = model(torch.tensor([[toks[-1]]]), past_key_values=past, attention_mask=mask, use_cache=True)
+        past = out.past_key_values
+    return toks
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--bits", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    if not 2 <= args.bits <= 24:
+        ap.error("--bits must be between 2 and 24")
+    from transformers import AutoModelForCausalLM
+
+    from ..engine import Engine
+    from ..pull import pull
+
+    path = pull(args.model)
+    engine = Engine.from_path(path, max_context=1024)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+    ref, rounded = load(), load()
+    for m in rounded.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_pre_hook(rounding_hook(args.bits))
+    same = 0
+    for i, prompt in enumerate(PROMPTS):
+        ids = engine.chat_prompt([{"role": "user", "content": prompt}])
+        with torch.no_grad():
+            mask = torch.ones(1, len(ids), dtype=torch.long)
+            a = ref(torch.tensor([ids]), attention_mask=mask).logits[0, -1]
+            b = rounded(torch.tensor([ids]), attention_mask=mask).logits[0, -1]
+        ok = greedy(ref, ids, args.tokens) == greedy(rounded, ids, args.tokens)
+        same += ok
+        print(f"prompt {i}: max |logit diff| {(a - b).abs().max().item():.3g}, greedy {args.tokens} tokens "
+              f"{'identical' if ok else 'differ'}", flush=True)
+    print(f"{args.model}, activations rounded to int{args.bits} per block of 32: greedy identical on {same} of "
+          f"{len(PROMPTS)} prompts")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
