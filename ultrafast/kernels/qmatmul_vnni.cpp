@@ -409,10 +409,20 @@ UF_INLINE void kblock_at(int64_t b, const uint8_t* p, const uint8_t* xg, int64_t
     kblock<T, R, 0>(p, xg, ldx, acc);
 }
 
+// The partial last kernel block of a row whose K is not a multiple of KB, decoded from a zero-padded copy
+// (x is zero-padded too).
+template <class T, int R>
+UF_INLINE void partial_kblock(const uint8_t* wr, int64_t K, const uint8_t* xg, int64_t ldx, __m512* acc) {
+  const int64_t nfull = K / T::KB, nunits = (K - nfull * T::KB) / T::UNIT;
+  constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;
+  alignas(64) uint8_t buf[T::KBYTES + 64];
+  for (int i = 0; i < T::KBYTES + 64; ++i) buf[i] = 0;
+  __builtin_memcpy(buf, wr + nfull * T::KBYTES, (size_t)(nunits * T::UNIT_BYTES));
+  kblock_at<T, R>(nfull, buf, xg + nfull * XB, ldx, acc);
+}
+
 // One weight row against R activation rows: y[r * ldy] for r < R. The weight stream is prefetched PF_DIST
-// bytes ahead (rows are read whole and in address order, so the next row's bytes are what is ahead). A row
-// whose K is not a multiple of KB ends in a partial kernel block, decoded from a zero-padded copy (x is
-// zero-padded too).
+// bytes ahead (rows are read whole and in address order, so the next row's bytes are what is ahead).
 template <class T, int R>
 __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t K, const uint8_t* __restrict xg,
                                    int64_t ldx, float* y, int64_t ldy) {
@@ -428,13 +438,7 @@ __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t K, cons
     for (int o = 0; o < T::KBYTES; o += 64) _mm_prefetch((const char*)(p + PF_DIST + o), _MM_HINT_T0);
     kblock_at<T, R>(b, p, xg + b * XB, ldx, acc);
   }
-  if (nfull * T::KB < K) {
-    const int64_t nunits = (K - nfull * T::KB) / T::UNIT;
-    alignas(64) uint8_t buf[T::KBYTES + 64];
-    for (int i = 0; i < T::KBYTES + 64; ++i) buf[i] = 0;
-    __builtin_memcpy(buf, wr + nfull * T::KBYTES, (size_t)(nunits * T::UNIT_BYTES));
-    kblock_at<T, R>(nfull, buf, xg + nfull * XB, ldx, acc);
-  }
+  if (nfull * T::KB < K) partial_kblock<T, R>(wr, K, xg, ldx, acc);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r * NA], acc[r * NA + 1]));
@@ -454,13 +458,7 @@ __attribute__((noinline)) void run_panel(const uint8_t* __restrict wr, int64_t K
   for (int i = 0; i < R * NA; ++i) acc[i] = st[i];
   const int64_t bf = b1 < nfull ? b1 : nfull;
   for (int64_t b = b0; b < bf; ++b) kblock_at<T, R>(b, wr + b * T::KBYTES, xg + b * XB, ldx, acc);
-  if (b1 > nfull) {  // the partial last kernel block, as in run()
-    const int64_t nunits = (K - nfull * T::KB) / T::UNIT;
-    alignas(64) uint8_t buf[T::KBYTES + 64];
-    for (int i = 0; i < T::KBYTES + 64; ++i) buf[i] = 0;
-    __builtin_memcpy(buf, wr + nfull * T::KBYTES, (size_t)(nunits * T::UNIT_BYTES));
-    kblock_at<T, R>(nfull, buf, xg + nfull * XB, ldx, acc);
-  }
+  if (b1 > nfull) partial_kblock<T, R>(wr, K, xg, ldx, acc);
 #pragma GCC unroll 16
   for (int i = 0; i < R * NA; ++i) st[i] = acc[i];
 }
