@@ -464,7 +464,8 @@ __attribute__((noinline)) void run_panel(const uint8_t* __restrict wr, int64_t K
 }
 
 // Weight rows [n0, n1).
-// - Up to RMAX activation rows (decode, verification): each weight row is read whole, once, by run().
+// - Up to RMAX activation rows (decode, verification), or as many as keep their prepared x within L2: each
+//   weight row is read whole by run(), once per chunk of up to RMAX rows.
 // - More (prefill): tiles of G weight rows x all activation rows x K panels sized so that the prepared x of
 //   one chunk of rows stays in L1 while the G weight rows sweep it (x of 100+ rows would stream from L3
 //   for every weight row otherwise); the next tile's weights are prefetched into L2.
@@ -472,19 +473,24 @@ __attribute__((noinline)) void run_panel(const uint8_t* __restrict wr, int64_t K
 template <class T>
 bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
           int64_t ldy, int64_t n0, int64_t n1) {
-  if (k <= RMAX) {
+  if (k <= RMAX || k * ldx <= 256 * 1024) {  // all rows' x stays in L2: whole rows, chunks of <= RMAX rows
+    const int64_t nch = (k + RMAX - 1) / RMAX, per = (k + nch - 1) / nch;
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wr = w + n * rb;
-      float* yr = y + n;
-      switch (k) {
-        case 1: run<T, 1>(wr, K, xg, ldx, yr, ldy); break;
-        case 2: run<T, 2>(wr, K, xg, ldx, yr, ldy); break;
-        case 3: run<T, 3>(wr, K, xg, ldx, yr, ldy); break;
-        case 4: run<T, 4>(wr, K, xg, ldx, yr, ldy); break;
-        case 5: run<T, 5>(wr, K, xg, ldx, yr, ldy); break;
-        case 6: run<T, 6>(wr, K, xg, ldx, yr, ldy); break;
-        case 7: run<T, 7>(wr, K, xg, ldx, yr, ldy); break;
-        default: run<T, 8>(wr, K, xg, ldx, yr, ldy); break;
+      for (int64_t r0 = 0; r0 < k; r0 += per) {
+        const int64_t rr = k - r0 < per ? k - r0 : per;
+        const uint8_t* xr = xg + r0 * ldx;
+        float* yr = y + r0 * ldy + n;
+        switch (rr) {
+          case 1: run<T, 1>(wr, K, xr, ldx, yr, ldy); break;
+          case 2: run<T, 2>(wr, K, xr, ldx, yr, ldy); break;
+          case 3: run<T, 3>(wr, K, xr, ldx, yr, ldy); break;
+          case 4: run<T, 4>(wr, K, xr, ldx, yr, ldy); break;
+          case 5: run<T, 5>(wr, K, xr, ldx, yr, ldy); break;
+          case 6: run<T, 6>(wr, K, xr, ldx, yr, ldy); break;
+          case 7: run<T, 7>(wr, K, xr, ldx, yr, ldy); break;
+          default: run<T, 8>(wr, K, xr, ldx, yr, ldy); break;
+        }
       }
     }
     return true;
