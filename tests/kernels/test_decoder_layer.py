@@ -1,0 +1,143 @@
+"""decoder_block: one whole layer per call (on VNNI CPUs, one OpenMP parallel region with barriers between
+its stages; elsewhere a sequence of kernel calls). Checked against the layer written out in PyTorch from the
+dequantized weights, with several sequences in one call, mixed weight types, QKV bias, and the KV cache
+writes; and for batch invariance: a multi-sequence call gives each sequence the bits of calling it alone."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from .test_qmatmul import dequant, path, random_weight  # noqa: F401  (path: the kernel-path fixture)
+
+import ultrafast.kernels as uk  # noqa: E402
+
+D, H, HKV, HD, F = 256, 4, 2, 64, 512
+# wq, wk, wv, wo, w1 (gate), w3 (up), w2 (down): mixed types so the layer prepares its inputs per type
+TYPES = [uk.Q4_K, uk.Q4_K, uk.Q6_K, uk.Q4_0, uk.Q4_1, uk.Q5_0, uk.Q8_0]
+SHAPES = [(H * HD, D), (HKV * HD, D), (HKV * HD, D), (D, H * HD), (F, D), (F, D), (D, F)]
+EPS, THETA = 1e-5, 10000.0
+
+
+def layer_weights(seed=0):
+    raws = [random_weight(t, n, k, seed + i) for i, (t, (n, k)) in enumerate(zip(TYPES, SHAPES))]
+    # random block bytes give large weights; scale the residual branches down so values stay O(1)
+    dense = [dequant(r, t, k) for r, t, (_, k) in zip(raws, TYPES, SHAPES)]
+    g = torch.Generator().manual_seed(seed)
+    biases = [torch.randn(n, generator=g) * 0.1 for n, _ in SHAPES[:3]]
+    norms = [torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5]
+    return [torch.from_numpy(r) for r in raws], dense, biases, norms
+
+
+def rope(max_len):
+    inv = 1.0 / (THETA ** (torch.arange(0, HD, 2).float() / HD))
+    f = torch.arange(max_len).float()[:, None] * inv[None, :]
+    e = torch.cat((f, f), -1)
+    return e.cos(), e.sin()
+
+
+def ref_layer(x, start, kc, vc, dense, biases, norms, cos, sin):
+    """The layer in float64 from the dequantized weights; writes the new rows into kc/vc (float64 copies)."""
+    def rms(v, w):
+        return v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+    def rot(v):
+        return torch.cat((-v[..., HD // 2:], v[..., :HD // 2]), -1)
+
+    wq, wk, wv, wo, w1, w3, w2 = (w.double() for w in dense)
+    T = x.shape[0]
+    x = x.double()
+    h = rms(x, norms[0].double())
+    q = (h @ wq.T + biases[0].double()).view(T, H, HD)
+    k = (h @ wk.T + biases[1].double()).view(T, HKV, HD)
+    v = (h @ wv.T + biases[2].double()).view(T, HKV, HD)
+    c, s = cos[start:start + T].double()[:, None], sin[start:start + T].double()[:, None]
+    q, k = q * c + rot(q) * s, k * c + rot(k) * s
+    kc[:, start:start + T], vc[:, start:start + T] = k.transpose(0, 1), v.transpose(0, 1)
+    att = torch.empty(T, H, HD, dtype=torch.float64)
+    for i in range(T):
+        n = start + i + 1
+        for j in range(H):
+            kv = j // (H // HKV)
+            p = torch.softmax((kc[kv, :n] @ q[i, j]) / math.sqrt(HD), 0)
+            att[i, j] = p @ vc[kv, :n]
+    x = x + att.view(T, -1) @ wo.T
+    h = rms(x, norms[1].double())
+    a = h @ w1.T
+    return x + (a * torch.sigmoid(a) * (h @ w3.T)) @ w2.T
+
+
+def close(got, want, rel=2e-3):
+    """Within rel of the largest reference value (int16 activations: ~1e-4 of sum|x*w| per linear)."""
+    err = (got.double() - want).abs().max().item()
+    return err <= rel * want.abs().max().item()
+
+
+def run_layer(x, starts, lens, kcs, vcs, raws, biases, norms, cos, sin):
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    return uk.decoder_block(x, starts, lens, norms[0], norms[1], EPS, raws, TYPES, biases, kcs, vcs,
+                            cos[rows].contiguous(), sin[rows].contiguous(), H, HKV, HD, 1.0 / math.sqrt(HD))
+
+
+def fresh_cache(max_len, seed):
+    g = torch.Generator().manual_seed(seed)
+    # earlier positions hold (random) keys/values already
+    return torch.randn(HKV, max_len, HD, generator=g), torch.randn(HKV, max_len, HD, generator=g)
+
+
+def test_decoder_block_matches_the_layer_in_torch(path):  # noqa: F811
+    raws, dense, biases, norms = layer_weights()
+    cos, sin = rope(64)
+    g = torch.Generator().manual_seed(1)
+    starts, lens = [5, 0, 17], [1, 3, 2]
+    x = torch.randn(sum(lens), D, generator=g)
+    caches = [fresh_cache(64, 10 + i) for i in range(3)]
+    refs = [(kc.double().clone(), vc.double().clone()) for kc, vc in caches]
+    y = run_layer(x, starts, lens, [c[0] for c in caches], [c[1] for c in caches], raws, biases, norms, cos, sin)
+    row = 0
+    for i, (s, n, (kc, vc), (rk, rv)) in enumerate(zip(starts, lens, caches, refs)):
+        want = ref_layer(x[row:row + n], s, rk, rv, dense, biases, norms, cos, sin)
+        assert close(y[row:row + n], want), f"segment at {s}"
+        assert close(kc[:, s:s + n], rk[:, s:s + n]) and close(vc[:, s:s + n], rv[:, s:s + n])
+        # rows outside the segment are untouched
+        assert torch.equal(kc[:, s + n:], fresh_cache(64, 10 + i)[0][:, s + n:])
+        row += n
+
+
+def test_decoder_block_sequences_do_not_interact(path):  # noqa: F811
+    """Several sequences in one call give each one exactly the bits (output and cache rows) of its own call."""
+    raws, _, biases, norms = layer_weights(seed=3)
+    cos, sin = rope(64)
+    g = torch.Generator().manual_seed(2)
+    starts, lens = [9, 0, 30], [2, 4, 1]
+    x = torch.randn(sum(lens), D, generator=g)
+    together = [fresh_cache(64, 20 + i) for i in range(3)]
+    y = run_layer(x, starts, lens, [c[0] for c in together], [c[1] for c in together], raws, biases, norms,
+                  cos, sin)
+    row = 0
+    for i, (s, n) in enumerate(zip(starts, lens)):
+        kc, vc = fresh_cache(64, 20 + i)
+        alone = run_layer(x[row:row + n].clone(), [s], [n], [kc], [vc], raws, biases, norms, cos, sin)
+        assert torch.equal(alone, y[row:row + n])
+        assert torch.equal(kc, together[i][0]) and torch.equal(vc, together[i][1])
+        row += n
+
+
+def test_decoder_block_no_bias_one_thread_same_bits(path):  # noqa: F811
+    raws, _, _, norms = layer_weights(seed=5)
+    cos, sin = rope(32)
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(4))
+    outs = []
+    for threads in (2, 1):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            kc, vc = fresh_cache(32, 7)
+            outs.append((run_layer(x, [4], [3], [kc], [vc], raws, [], norms, cos, sin), kc))
+        finally:
+            torch.set_num_threads(old)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert np.isfinite(outs[0][0].numpy()).all()
