@@ -61,17 +61,25 @@ class SpecStats:
                 "drafters": {k: v.to_json() for k, v in self.by_drafter.items()}}
 
 
-def measure_r(engine, max_k: int = 16, reps: int = 3) -> list[float]:
-    """r[n] = time of an n-row forward / time of a 1-row forward (r[0] unused), measured on this engine
-    in a scratch cache."""
-    n0, cache = 8, engine.new_cache()
-    engine._forward(list(range(n0)), 0, cache=cache)
+def measure_r(engine, max_k: int = 16, reps: int = 3, *, prefix: list[int] | None = None,
+              probe: list[int] | None = None, cache=None) -> list[float]:
+    """r[n] = median time of an n-row forward / that of a 1-row forward, for n = 1..max_k+1 (r[0] unused).
+
+    The rows are probe[:n] (default: token ids 0..n-1) at the position after `prefix` (default: 8 tokens),
+    which is first written into `cache` (default: a scratch cache). The adaptive policy measures it once per
+    engine; `ultrafast bench` measures it after its prompt, with real tokens."""
+    prefix = list(range(8)) if prefix is None else prefix
+    probe = list(range(max_k + 1)) if probe is None else probe
+    if len(probe) < max_k + 1:
+        raise ValueError(f"measure_r needs {max_k + 1} probe tokens, got {len(probe)}")
+    cache = engine.new_cache() if cache is None else cache
+    engine._forward(prefix, 0, cache=cache)
     times = [0.0]
     for n in range(1, max_k + 2):
         ts = []
         for _ in range(reps):
             t = time.perf_counter()
-            engine._forward(list(range(n)), n0, all_logits=True, cache=cache)
+            engine._forward(probe[:n], len(prefix), all_logits=True, cache=cache)
             ts.append(time.perf_counter() - t)
         times.append(sorted(ts)[len(ts) // 2])
     return [t / times[1] for t in times]

@@ -96,17 +96,13 @@ def _median_time(fn, reps: int) -> float:
 
 def bench_ours(engine, ids: list[int], gen: int, max_k: int, reps: int) -> RunFigures:
     from ..sampler import SamplingParams
+    from ..speculative import measure_r
 
     engine.generate(ids[:16], SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
     res = engine.generate(ids, SamplingParams(max_tokens=gen, ignore_eos=True))
-    n = len(ids)
-    engine._forward(ids, 0)
-    probe = res.token_ids[:max_k] + ids[: max(0, max_k - len(res.token_ids))]
-    r_k, t1 = {}, None
-    for k in range(1, max_k + 1):
-        t = _median_time(lambda: engine._forward(probe[:k], n, all_logits=True), reps)
-        t1 = t1 or t
-        r_k[k] = t / t1
+    probe = (res.token_ids + ids)[:max_k + 1]  # the model's own continuation of the prompt, as drafts would be
+    r = measure_r(engine, max_k, reps, prefix=ids, probe=probe, cache=engine.cache)
+    r_k = {k: r[k] for k in range(1, max_k + 1)}
     return RunFigures("ultrafast", res.prefill_tokens_per_s, res.ttft_s, res.decode_tokens_per_s, r_k)
 
 

@@ -1,0 +1,26 @@
+"""`ultrafast bench` end to end on SmolLM2 with small sizes (figures are not asserted: the machine is shared;
+the shape and the invariants of the report are), and the r(k) measurement it shares with the adaptive policy."""
+
+import pytest
+
+from ultrafast.benchmarks.decode import format_table, run_bench
+from ultrafast.speculative import measure_r
+
+
+def test_bench_report(smollm_path):
+    r = run_bench(str(smollm_path), prompt_len=16, gen=8, max_k=4, reps=1, llama_cpp=False)
+    ours = r["ultrafast"]
+    assert ours["decode_tokens_per_s"] > 0 and ours["ttft_ms"] > 0 and ours["prefill_tokens_per_s"] > 0
+    assert set(ours["r_k"]) == {1, 2, 3, 4} and ours["r_k"][1] == 1.0
+    assert ours["achieved_gb_per_s"] == pytest.approx(ours["decode_tokens_per_s"] * r["weight_bytes_per_token"] / 1e9)
+    assert r["llama_cpp"] is None and r["decode_ratio_vs_llama_cpp"] is None
+    assert r["weight_bytes_held"] <= 1.2 * r["file_tensor_bytes"]
+    table = format_table(r)
+    assert "decode tok/s" in table and "r(k)" in table
+
+
+def test_measure_r(smollm_engine):
+    r = measure_r(smollm_engine, max_k=3, reps=1, prefix=[1, 2, 3], probe=[5, 6, 7, 8])
+    assert len(r) == 5 and r[1] == 1.0 and all(x > 0 for x in r[1:])
+    with pytest.raises(ValueError, match="probe tokens"):
+        measure_r(smollm_engine, max_k=3, reps=1, probe=[5, 6])
