@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -42,6 +43,23 @@ inline void split(int64_t n, int nt, int t, int64_t* a, int64_t* b) {
   *a = n * t / nt;
   *b = n * (t + 1) / nt;
 }
+
+// Scratch of the calling thread, 64-byte aligned, grown on demand and reused by every layer of every step
+// (a step would otherwise allocate and zero about ten buffers per layer).
+struct Arena {
+  uint8_t* p = nullptr;
+  size_t n = 0;
+  ~Arena() { std::free(p); }
+  uint8_t* get(size_t bytes) {
+    if (bytes > n) {
+      std::free(p);
+      n = (bytes + 63) / 64 * 64;
+      p = static_cast<uint8_t*>(std::aligned_alloc(64, n));
+      if (!p) n = 0;
+    }
+    return p;
+  }
+};
 
 constexpr int64_t CH = 16;  // weight rows per matmul work chunk
 
@@ -103,13 +121,9 @@ bool decoder_layer_team_ok(const int* qt, int64_t hd) {
 bool decoder_layer_team(const LayerArgs& a) {
   const int64_t T = a.T, d = a.d, hd = a.hd, nq = a.n_heads * hd, nkv = a.n_kv_heads * hd, f = a.f;
   const int nt = a.nthreads < 1 ? 1 : a.nthreads;
-  // scratch: activations and one prepared-input buffer per distinct use
-  auto xb = [&](int i, int64_t K) { return qmm_prep_bytes_vnni(a.qt[i], K); };
-  std::vector<float> h((size_t)(T * d)), q((size_t)(T * nq)), k((size_t)(T * nkv)), v((size_t)(T * nkv)),
-      att((size_t)(T * nq)), o((size_t)(T * d)), g((size_t)(T * f)), u((size_t)(T * f));
-  // prepared inputs: index by linear (wq, wk, wv share h; w1, w3 share h2); same type -> same buffer
-  std::vector<std::vector<uint8_t>> xg(7);
+  // prepared inputs: by linear (wq, wk, wv share h; w1, w3 share h2); one buffer per distinct type
   int src[7];
+  int64_t xgb[7];  // bytes of linear i's prepared input
   for (int i = 0; i < 7; ++i) {
     src[i] = i;
     const int first = i < 3 ? 0 : (i == 4 || i == 5) ? 4 : i;
@@ -119,11 +133,8 @@ bool decoder_layer_team(const LayerArgs& a) {
         break;
       }
     const int64_t K = i == 3 ? nq : (i == 6 ? f : d);
-    if (src[i] == i) xg[i].resize((size_t)(T * xb(i, K) + 64));
+    xgb[i] = src[i] == i ? T * qmm_prep_bytes_vnni(a.qt[i], K) : 0;
   }
-  auto xgp = [&](int i) {  // the prepared rows are read and written with aligned vector moves
-    return reinterpret_cast<uint8_t*>(((uintptr_t)xg[src[i]].data() + 63) & ~(uintptr_t)63);
-  };
   // attention tasks: (segment row, kv head, run of gh heads of its group)
   const int64_t group = a.n_heads / a.n_kv_heads;
   int64_t gh = group < 6 ? group : 6;
@@ -138,7 +149,25 @@ bool decoder_layer_team(const LayerArgs& a) {
       maxlen = maxlen > pos_of[row] + 1 ? maxlen : pos_of[row] + 1;
     }
   const int64_t lds = (maxlen + 16 + 15) / 16 * 16;
-  std::vector<float> scores((size_t)(nt * gh * lds));
+  // scratch: activations, prepared inputs, attention scores: one per-thread arena, carved in 64-byte aligned
+  // pieces (the prepared rows are read and written with aligned vector moves); every piece is written before
+  // it is read
+  const int64_t fl = (int64_t)sizeof(float);
+  const int64_t sizes[16] = {T * d * fl, T * nq * fl, T * nkv * fl, T * nkv * fl, T * nq * fl, T * d * fl,
+                             T * f * fl, T * f * fl, nt * gh * lds * fl, xgb[0], xgb[1], xgb[2], xgb[3], xgb[4],
+                             xgb[5], xgb[6]};
+  int64_t offs[16], total = 0;
+  for (int i = 0; i < 16; ++i) {
+    offs[i] = total;
+    total += (sizes[i] + 63) / 64 * 64;
+  }
+  static thread_local Arena arena;
+  uint8_t* base = arena.get((size_t)total);
+  if (!base) return false;
+  auto fbuf = [&](int i) { return reinterpret_cast<float*>(base + offs[i]); };
+  float *h = fbuf(0), *q = fbuf(1), *k = fbuf(2), *v = fbuf(3), *att = fbuf(4), *o = fbuf(5), *g = fbuf(6),
+        *u = fbuf(7), *scores = fbuf(8);
+  auto xgp = [&](int i) { return base + offs[9 + src[i]]; };
   bool ok = true;
   float* x = a.x;
 
@@ -148,15 +177,15 @@ bool decoder_layer_team(const LayerArgs& a) {
     int64_t r0, r1;
     // 1. h = rmsnorm(x); prepare h for wq/wk/wv
     split(T, n, t, &r0, &r1);
-    for (int64_t r = r0; r < r1; ++r) rmsnorm_row(x + r * d, a.attn_norm, d, a.eps, h.data() + r * d);
+    for (int64_t r = r0; r < r1; ++r) rmsnorm_row(x + r * d, a.attn_norm, d, a.eps, h + r * d);
 #pragma omp barrier
     for (int i = 0; i < 3; ++i)
-      if (src[i] == i) prep(a.qt[i], h.data(), T, d, xgp(i), n, t);
+      if (src[i] == i) prep(a.qt[i], h, T, d, xgp(i), n, t);
 #pragma omp barrier
     {
-      const Mat m[3] = {{a.w[0], a.rb[0], nq, d, a.qt[0], xgp(0), q.data()},
-                        {a.w[1], a.rb[1], nkv, d, a.qt[1], xgp(1), k.data()},
-                        {a.w[2], a.rb[2], nkv, d, a.qt[2], xgp(2), v.data()}};
+      const Mat m[3] = {{a.w[0], a.rb[0], nq, d, a.qt[0], xgp(0), q},
+                        {a.w[1], a.rb[1], nkv, d, a.qt[1], xgp(1), k},
+                        {a.w[2], a.rb[2], nkv, d, a.qt[2], xgp(2), v}};
       ok = matmuls(m, 3, T, n, t) && ok;
     }
 #pragma omp barrier
@@ -166,9 +195,9 @@ bool decoder_layer_team(const LayerArgs& a) {
       std::vector<float> tmp((size_t)hd);
       const int64_t half = hd / 2;
       for (int64_t r = r0; r < r1; ++r) {
-        float* qr = q.data() + r * nq;
-        float* kr = k.data() + r * nkv;
-        float* vr = v.data() + r * nkv;
+        float* qr = q + r * nq;
+        float* kr = k + r * nkv;
+        float* vr = v + r * nkv;
         if (a.bq) {
           for (int64_t i = 0; i < nq; ++i) qr[i] += a.bq[i];
           for (int64_t i = 0; i < nkv; ++i) kr[i] += a.bk[i];
@@ -197,23 +226,23 @@ bool decoder_layer_team(const LayerArgs& a) {
     {
       int64_t t0, t1;
       split(T * a.n_kv_heads * nsub, n, t, &t0, &t1);
-      float* sc = scores.data() + (size_t)t * gh * lds;
+      float* sc = scores + (size_t)t * gh * lds;
       for (int64_t task = t0; task < t1; ++task) {
         const int64_t i = task / (a.n_kv_heads * nsub), rem = task % (a.n_kv_heads * nsub);
         const int64_t kvh = rem / nsub, sub = rem % nsub;
         const int64_t h0 = kvh * group + sub * gh;
         const int64_t hn = gh < (kvh + 1) * group - h0 ? gh : (kvh + 1) * group - h0;
         const int64_t s_ = seg_of[i];
-        attn_group_avx512(q.data() + (i * a.n_heads + h0) * hd, (int)hn, a.kc[s_] + kvh * a.ks0[s_],
+        attn_group_avx512(q + (i * a.n_heads + h0) * hd, (int)hn, a.kc[s_] + kvh * a.ks0[s_],
                           a.vc[s_] + kvh * a.vs0[s_], pos_of[i] + 1, hd, a.scale, sc, lds,
-                          att.data() + (i * a.n_heads + h0) * hd);
+                          att + (i * a.n_heads + h0) * hd);
       }
     }
 #pragma omp barrier
-    prep(a.qt[3], att.data(), T, nq, xgp(3), n, t);
+    prep(a.qt[3], att, T, nq, xgp(3), n, t);
 #pragma omp barrier
     {
-      const Mat m[1] = {{a.w[3], a.rb[3], d, nq, a.qt[3], xgp(3), o.data()}};
+      const Mat m[1] = {{a.w[3], a.rb[3], d, nq, a.qt[3], xgp(3), o}};
       ok = matmuls(m, 1, T, n, t) && ok;
     }
 #pragma omp barrier
@@ -221,15 +250,15 @@ bool decoder_layer_team(const LayerArgs& a) {
     split(T, n, t, &r0, &r1);
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t i = 0; i < d; ++i) x[r * d + i] += o[r * d + i];
-      rmsnorm_row(x + r * d, a.ffn_norm, d, a.eps, h.data() + r * d);
+      rmsnorm_row(x + r * d, a.ffn_norm, d, a.eps, h + r * d);
     }
 #pragma omp barrier
     for (int i = 4; i < 6; ++i)
-      if (src[i] == i) prep(a.qt[i], h.data(), T, d, xgp(i), n, t);
+      if (src[i] == i) prep(a.qt[i], h, T, d, xgp(i), n, t);
 #pragma omp barrier
     {
-      const Mat m[2] = {{a.w[4], a.rb[4], f, d, a.qt[4], xgp(4), g.data()},
-                        {a.w[5], a.rb[5], f, d, a.qt[5], xgp(5), u.data()}};
+      const Mat m[2] = {{a.w[4], a.rb[4], f, d, a.qt[4], xgp(4), g},
+                        {a.w[5], a.rb[5], f, d, a.qt[5], xgp(5), u}};
       ok = matmuls(m, 2, T, n, t) && ok;
     }
 #pragma omp barrier
@@ -243,10 +272,10 @@ bool decoder_layer_team(const LayerArgs& a) {
       }
     }
 #pragma omp barrier
-    prep(a.qt[6], g.data(), T, f, xgp(6), n, t);
+    prep(a.qt[6], g, T, f, xgp(6), n, t);
 #pragma omp barrier
     {
-      const Mat m[1] = {{a.w[6], a.rb[6], d, f, a.qt[6], xgp(6), o.data()}};
+      const Mat m[1] = {{a.w[6], a.rb[6], d, f, a.qt[6], xgp(6), o}};
       ok = matmuls(m, 1, T, n, t) && ok;
     }
 #pragma omp barrier
