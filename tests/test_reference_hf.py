@@ -7,6 +7,7 @@ prompt, so the reference is run with an explicit all-ones attention mask, in a p
 import pytest
 import torch
 
+from ultrafast.benchmarks.activation_precision import hf_greedy, hf_model
 from ultrafast.engine import Engine
 from ultrafast.sampler import SamplingParams
 
@@ -37,26 +38,6 @@ def _logit_atol() -> float:
     import ultrafast.kernels as uk
 
     return LOGIT_ATOL_VNNI if uk.available() and uk.path_in_use() == "vnni-int16" else LOGIT_ATOL
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def hf_greedy(model, ids, n):
-    x = torch.tensor([ids])
-    out = model(x, attention_mask=torch.ones_like(x), use_cache=True)
-    past, toks = out.past_key_values, []
-    for _ in range(n):
-        tok = int(out.logits[0, -1].argmax())
-        toks.append(tok)
-        mask = torch.ones(1, len(ids) + len(toks), dtype=torch.long)
-        out = model(torch.tensor([[tok]]), past_key_values=past, attention_mask=mask, use_cache=True)
-        past = out.past_key_values
-    return toks
 
 
 def compare(path, n_tokens, max_context=1024):

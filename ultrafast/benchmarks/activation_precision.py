@@ -4,9 +4,10 @@
 
 Runs Hugging Face transformers on the GGUF in fp32 twice: as is, and with the input of every linear layer
 rounded per block of 32 values to signed `bits`-bit integers (s = max|x| / (2^(bits-1) - 1), x = rint(x/s) * s:
-the activation quantization of our kernels, or of llama.cpp's q8 dot products at 8 bits). Prints, for the
-test prompts of tests/test_reference_hf.py, the largest last-token logit difference and whether greedy
-decoding of `--tokens` tokens stays identical. Needs the `test` extra (transformers).
+the activation quantization of our kernels, or of llama.cpp's q8 dot products at 8 bits). Prints, for eight
+chat prompts, the largest last-token logit difference and whether greedy decoding of `--tokens` tokens stays
+identical. Needs the `test` extra (transformers). hf_model and hf_greedy are also the reference of
+tests/test_reference_hf.py.
 """
 
 from __future__ import annotations
@@ -40,8 +41,18 @@ def rounding_hook(bits: int):
     return hook
 
 
+def hf_model(path):
+    """transformers' fp32 model of a GGUF file (the reference the engine's tests compare against)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
 @torch.no_grad()
-def greedy(model, ids: list[int], n: int) -> list[int]:
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Greedy decoding with transformers in a plain loop, with an explicit all-ones attention mask: SmolLM2's
+    pad token is its EOS, which appears inside every chat prompt, and generate() would mask it
+    (shared/notes/measurements.md)."""
     x = torch.tensor([ids])
     out = model(x, attention_mask=torch.ones_like(x), use_cache=True)
     past, toks = out.past_key_values, []
@@ -61,18 +72,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 2 <= args.bits <= 24:
         ap.error("--bits must be between 2 and 24")
-    from transformers import AutoModelForCausalLM
-
     from ..engine import Engine
     from ..pull import pull
 
     path = pull(args.model)
     engine = Engine.from_path(path, max_context=1024)
-
-    def load():
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-
-    ref, rounded = load(), load()
+    ref, rounded = hf_model(path), hf_model(path)
     for m in rounded.modules():
         if isinstance(m, torch.nn.Linear):
             m.register_forward_pre_hook(rounding_hook(args.bits))
@@ -83,7 +88,7 @@ def main(argv=None) -> int:
             mask = torch.ones(1, len(ids), dtype=torch.long)
             a = ref(torch.tensor([ids]), attention_mask=mask).logits[0, -1]
             b = rounded(torch.tensor([ids]), attention_mask=mask).logits[0, -1]
-        ok = greedy(ref, ids, args.tokens) == greedy(rounded, ids, args.tokens)
+        ok = hf_greedy(ref, ids, args.tokens) == hf_greedy(rounded, ids, args.tokens)
         same += ok
         print(f"prompt {i}: max |logit diff| {(a - b).abs().max().item():.3g}, greedy {args.tokens} tokens "
               f"{'identical' if ok else 'differ'}", flush=True)
