@@ -431,6 +431,7 @@ def test_queue_full_gives_429(env):
         while (_metric(env, "ultrafast_kv_slots_in_use") < 2 or _metric(env, "ultrafast_queue_depth") < 2) \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert _metric(env, "ultrafast_kv_slots_in_use") == 2 and _metric(env, "ultrafast_queue_depth") == 2
         with raw(env) as h:
             r = h.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
         _error(r, 429, "queue_full")

@@ -279,6 +279,49 @@ def test_ultrafast_first_and_more_often(tmp_path):
     assert order[:6] == [3, 3, 1, 3, 3, 1]
 
 
+class GatedEngine(FakeEngine):
+    """FakeEngine whose request tagged 1 stops at its first token until `gate` is set (the worker is busy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def stream(self, prompt, params, tier="standard", cache=None):
+        inner, i = super().stream(prompt, params, tier, cache), 0
+        while True:
+            try:
+                ev = next(inner)
+            except StopIteration as done:
+                return done.value
+            if prompt[0] == 1 and i == 1:
+                self.gate.wait(10)
+            yield ev
+            i += 1
+
+
+def test_queue_counts_only_requests_beyond_free_slots(tmp_path):
+    """2 slots, queue of 1: with one slot busy, a burst gets the free slot plus the queue; the next is refused."""
+    eng = GatedEngine()
+    w, _ = _worker(tmp_path, eng, slots=2, max_queue=1)
+    w.start()
+    w.wait_ready(10)
+    a = _request([1, 9], 4)
+    w.submit(a)
+    while not a.msgs:  # a has its first token; the worker now waits inside a's second step
+        time.sleep(0.01)
+    b, c = _request([2, 9], 2), _request([3, 9], 2)
+    w.submit(b)  # takes the free slot at the next round: not waiting
+    w.submit(c)  # waits: the queue of 1 is full
+    with pytest.raises(QueueFull):
+        w.submit(_request([4, 9], 2))
+    eng.gate.set()
+    for r in (a, b, c):
+        assert r.done.wait(10) and r.msgs[-1][1]["status"] == "finished"
+    w.submit(d := _request([4, 9], 2))  # room again once they are done
+    assert d.done.wait(10)
+    w.stop()
+
+
 def test_longest_prefix_slot_and_cancel(tmp_path):
     eng = FakeEngine()
     w, db = _worker(tmp_path, eng, slots=2)

@@ -1,6 +1,7 @@
 """Scheduling: one worker thread per model owns its engine; all torch work happens there.
 
-Requests arrive through a bounded queue (`submit` raises QueueFull past `max_queue` waiting requests).
+Requests arrive through a bounded queue (`submit` raises QueueFull past `max_queue` requests waiting beyond
+the free slots).
 The worker keeps a pool of KV cache slots and advances every active candidate one step per round
 (continuous batching at token granularity). With an engine that exposes `Engine.start` (a `Generation`
 per request) and `Engine.forward_batch`, the standard tier's decode steps of one round run as one batched
@@ -183,7 +184,10 @@ class ModelWorker:
         with self._cond:
             if self._stopping or self.load_error is not None:
                 raise Unavailable(f"model {self.name!r} is not serving")
-            if self._pending_requests >= self.max_queue:
+            # pending requests that a free slot takes at the next round are not waiting: a burst of
+            # slots + max_queue requests is accepted even before the worker has admitted any of them
+            free = sum(s.owner is None for s in self.slots)
+            if self._pending_requests - free >= self.max_queue:
                 raise QueueFull(self.name)
             for c in req.candidates:
                 self._pending[req.tier].append(c)
