@@ -18,11 +18,11 @@ The extension is built with torch.utils.cpp_extension.load into $ULTRAFAST_HOME/
 stderr) and later processes reuse the build. The kernel path is chosen at runtime (see path_in_use()):
 
     "vnni-int16"   CPUs with AVX512-VNNI, for Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K (the default there).
-                   Activations are quantized per row and per block of 32 to int16 (s = max|x|/32767,
+                   Activations are quantized per row and per block of 32 to int16 (s = max|x|/32639,
                    x = rint(x/s)); the file's quantized weights are multiplied with them in exact integer
-                   arithmetic (vpdpwssd), and the fp32 block scales/mins are applied per block. The weights
-                   are still exactly the file's; the int16 rounding of x costs ~1e-5 (measured < 3e-5) of
-                   sum(|x|*|w|), against ~1e-6 for the fp32 path. Much cheaper per activation row, so
+                   arithmetic (x as two signed bytes, vpdpbusd), and the fp32 block scales/mins are
+                   applied per block. The weights are still exactly the file's; the int16 rounding of x
+                   costs ~1e-5 (measured < 3e-5) of sum(|x|*|w|), against ~1e-6 for the fp32 path. Much cheaper per activation row, so
                    verifying k draft tokens costs little more than one. F32/F16/BF16 use the fp32 path.
     "avx512-fp32"  AVX-512 fp32 path (dequantize-in-register + FMA), ~1e-6 of sum(|x|*|w|).
     "scalar"       portable path with the same math as avx512-fp32, for other CPUs.
