@@ -160,6 +160,7 @@ struct K32 {
   // Q8_0's signed weights are multiplied as unsigned q + 128 (vpdpbusd's unsigned operand): -128 * xsum
   static constexpr int IOFF = QT == QT_Q4_0 ? -8 : QT == QT_Q5_0 ? -16 : QT == QT_Q8_0 ? -128 : 0;
   static constexpr int MINS = QT == QT_Q4_1 ? 1 : 0;
+  static constexpr bool SB_MINS = false;
   using X = XG;
   static UF_INLINE int bm(int i) { return i; }
   struct Ctx {};
@@ -213,7 +214,10 @@ struct K32 {
 // Q4_K: kernel block = super-block of 256 (144 bytes) = 2 groups of 4 sub-blocks of 32.
 struct KQ4K {
   static constexpr int GV = 128, GPK = 2, KB = 256, KBYTES = 144, UNIT = 256, UNIT_BYTES = 144;
+  // mins once per super-block: ctx.dm's lanes 8..15 (dmin*m of sub-blocks 0..7) against the x vector xsf
+  // of the super-block's first group, whose lanes 8..15 hold s_b * xsum_b of its 8 blocks (0..7: zero)
   static constexpr int IOFF = 0, MINS = -1;
+  static constexpr bool SB_MINS = true;
   using X = XG;
   static UF_INLINE int bm(int i) { return i == 1 ? 2 : (i == 2 ? 1 : i); }  // lanes hold sub-blocks 0,2,1,3
   static UF_INLINE __m512 scales(const uint8_t* p) {
@@ -241,9 +245,7 @@ struct KQ4K {
     dvec = _mm512_permutexvar_ps(_mm512_setr_epi32(b, b, b, b, b + 2, b + 2, b + 2, b + 2, b + 1, b + 1, b + 1, b + 1,
                                                    b + 3, b + 3, b + 3, b + 3),
                                  dm);
-    mvec = _mm512_permutexvar_ps(_mm512_setr_epi32(b + 8, b + 8, b + 8, b + 8, b + 10, b + 10, b + 10, b + 10, b + 9,
-                                                   b + 9, b + 9, b + 9, b + 11, b + 11, b + 11, b + 11),
-                                 dm);
+    mvec = _mm512_setzero_ps();  // unused: SB_MINS
     const __m512i m0f = _mm512_set1_epi8(0x0F);
     const __m512i Q = _mm512_loadu_si512(p + 16 + 64 * c);
     const __m512i L = _mm512_and_si512(Q, m0f);
@@ -260,6 +262,7 @@ struct KQ4K {
 struct KQ6K {
   static constexpr int GV = 128, GPK = 2, KB = 256, KBYTES = 210, UNIT = 256, UNIT_BYTES = 210;
   static constexpr int IOFF = -32, MINS = 0;
+  static constexpr bool SB_MINS = false;
   using X = XG;
   struct Ctx {
     __m512 dsc;
@@ -318,6 +321,11 @@ void prep_row32(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1)
       }
       io[4 * i] = T::IOFF * sum;
       xsf[4 * i] = sb * (float)sum;
+      if constexpr (T::SB_MINS) {  // lane 8 + (block within its super-block) of the super-block's first group
+        float* sf = reinterpret_cast<float*>(&reinterpret_cast<XG*>(out + (G & ~(int64_t)1) * sizeof(XG))->xsf);
+        sf[8 + 4 * (G & 1) + T::bm(i)] = sb * (float)sum;
+        if ((G & 1) == 0) sf[2 * i] = sf[2 * i + 1] = 0.0f;
+      }
     }
     for (int v = 0; v < 2; ++v) {
       g->xh[v] = _mm512_load_si512(xh[v]);
@@ -325,7 +333,7 @@ void prep_row32(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1)
     }
     g->s = _mm512_load_ps(s);
     g->ioff = _mm512_load_si512(io);
-    g->xsf = _mm512_load_ps(xsf);
+    if constexpr (!T::SB_MINS) g->xsf = _mm512_load_ps(xsf);
   }
 }
 
@@ -412,8 +420,16 @@ UF_INLINE void kblock(const uint8_t* p, const uint8_t* xg, int64_t ldx, __m512* 
       ia = _mm512_dpbusd_epi32(ia, W[1], xr->xl[1]);
       const __m512 t = _mm512_mul_ps(dvec, xr->s);
       acc[r * NA + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), t, acc[r * NA + c]);
-      if constexpr (T::MINS > 0) acc[r * NA + c] = _mm512_fmadd_ps(mvec, xr->xsf, acc[r * NA + c]);
-      if constexpr (T::MINS < 0) acc[r * NA + c] = _mm512_fnmadd_ps(mvec, xr->xsf, acc[r * NA + c]);
+      if constexpr (T::MINS > 0 && !T::SB_MINS) acc[r * NA + c] = _mm512_fmadd_ps(mvec, xr->xsf, acc[r * NA + c]);
+      if constexpr (T::MINS < 0 && !T::SB_MINS) acc[r * NA + c] = _mm512_fnmadd_ps(mvec, xr->xsf, acc[r * NA + c]);
+    }
+  }
+  if constexpr (T::SB_MINS) {  // after the last group, into its chain
+    constexpr int c = (PAR + T::GPK - 1) & 1;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const X* xr = reinterpret_cast<const X*>(xg + r * ldx);
+      acc[r * NA + c] = _mm512_fnmadd_ps(ctx.dm, xr->xsf, acc[r * NA + c]);
     }
   }
 }
