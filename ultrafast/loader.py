@@ -2,6 +2,7 @@
 
 Weights come back as `QTensor`s: the raw bytes of each tensor in its file type, under the model's own
 parameter names (see model.py). Nothing is dequantized here; model building decides what to keep packed.
+GGUF tensors are copied out of the file mapping into one region on transparent huge pages (hugepages.py).
 Every failure is a `ModelLoadError` naming the file and the problem.
 """
 
@@ -18,6 +19,7 @@ from gguf import GGMLQuantizationType as T
 from . import gguf_file
 from .config import ARCHITECTURES, ModelConfig
 from .dequant import SUPPORTED, dequantize, row_bytes
+from .hugepages import copy_to_hugepages
 from .tokenizer import Tokenizer, TokenizerError
 
 
@@ -211,7 +213,7 @@ def load_gguf(path: Path) -> LoadedModel:
             raise ModelLoadError(f"{path}: tensor {t.name}: {e}") from None
         if t.offset + nbytes > len(data):
             raise ModelLoadError(f"{path}: tensor {t.name} runs past the end of the file (truncated?)")
-        raw = torch.from_numpy(data[t.offset:t.offset + nbytes].reshape(rows, -1))  # a view, no copy
+        raw = torch.from_numpy(data[t.offset:t.offset + nbytes].reshape(rows, -1))  # a view until the end
         tensors[table[t.name]] = QTensor(raw, qtype, shape)
 
     if config.arch == "llama":  # llama.cpp stores Q and K rows permuted for its interleaved RoPE
@@ -223,6 +225,10 @@ def load_gguf(path: Path) -> LoadedModel:
                         idx = _unpermute_rows(tensors[name].shape[0], heads)
                         tensors[name] = tensors[name].permute_rows(idx)
     _check_tensors(tensors, config, path)
+    # out of the file mapping into memory on huge pages (hugepages.py): decode streams all of it every token
+    names = list(tensors)
+    copies = copy_to_hugepages([tensors[n].raw for n in names])
+    tensors = {n: QTensor(c, tensors[n].qtype, tensors[n].shape) for n, c in zip(names, copies)}
     return LoadedModel(Path(path), config, tensors, tokenizer)
 
 

@@ -71,11 +71,15 @@ class FusedBlock(nn.Module):
         super().__init__()
         self.block = block  # keeps the packed modules (and their bytes) registered
         lin = [block.get_submodule(n) for n in self.LINEARS]
-        self.raws = [m.raw for m in lin]
+        self._lin = lin
         self.qtypes = [m.qtype for m in lin]
         self.biases = [m.bias for m in lin[:3]] if lin[0].bias is not None else []
         att = block.attention
         self.n_heads, self.n_kv_heads, self.head_dim, self.scale = att.n_heads, att.n_kv_heads, att.head_dim, att.scale
+
+    @property
+    def raws(self) -> list[torch.Tensor]:  # read from the linears each call, so rebinding their bytes is seen
+        return [m.raw for m in self._lin]
 
     @staticmethod
     def fusable(block: nn.Module) -> bool:
