@@ -133,3 +133,51 @@ def test_sampling_distribution_is_unchanged(tmp_path):
     observed = [c_std[t] for t in top] + [n - sum(c_std[t] for t in top)]
     expected = [float(probs[t]) * n for t in top] + [n * (1 - float(sum(probs[t] for t in top)))]
     assert chisquare(observed, expected).pvalue > 0.001
+
+
+class _ArgmaxEngine:
+    """Logits whose argmax is always token 1: any other draft is rejected."""
+
+    def _forward(self, tokens, pos, all_logits=False, cache=None):
+        out = torch.zeros(len(tokens) if all_logits else 1, 4)
+        out[:, 1] = 1.0
+        return out
+
+
+class _Greedy:
+    def __init__(self):
+        self.history = []
+
+    def sample(self, logits):
+        tok = int(logits.argmax())
+        self.history.append(tok)
+        return tok
+
+
+class _WrongDrafter:
+    name = "wrong"
+
+    def begin(self, prompt_ids):
+        pass
+
+    def propose(self, context, k):
+        return [2] * k
+
+    def end(self, context):
+        pass
+
+
+@pytest.mark.parametrize("r2", [1.2, 1.5, 2.0])
+def test_useless_drafter_costs_at_most_the_probe_budget(r2):
+    """With drafts that are never accepted, speculation falls back to plain steps and only probes, one token
+    at a time, as rarely as the cost of a second row asks: the cost per token stays within the budget."""
+    from ultrafast.speculative import SpeculativeStepper
+
+    r = [0.0, 1.0] + [1.0 + (r2 - 1.0) * (k - 1) for k in range(2, 18)]
+    st = SpeculativeStepper(_ArgmaxEngine(), None, [_WrongDrafter()], r)
+    sampler = _Greedy()
+    for pos in range(400):
+        assert st.step(1, pos, sampler, 64) == [1]
+    probes = st.stats.by_drafter["wrong"].passes
+    assert probes >= 400 // (st.probe_interval() + 1) - 3  # it keeps probing
+    assert st.stats.cost / st.stats.emitted <= 1.0 + SpeculativeStepper.PROBE_BUDGET + 0.01

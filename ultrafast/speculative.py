@@ -20,6 +20,8 @@ again now and then, so the tier is never meaningfully slower than standard.
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass, field
 
@@ -87,7 +89,8 @@ def measure_r(engine, max_k: int = 16, reps: int = 3, *, prefix: list[int] | Non
 
 class SpeculativeStepper:
     EMA = 0.3
-    PROBE_EVERY = 8  # plain steps in a row before trying a short draft again
+    PROBE_EVERY = 8  # plain steps in a row before trying a one-token draft again (at least)
+    PROBE_BUDGET = 0.03  # ... and no sooner than the probe's extra cost stays within this share of those steps
 
     def __init__(self, engine, cache, drafters: list, r: list[float], max_k: int = 16):
         if not drafters:
@@ -116,6 +119,11 @@ class SpeculativeStepper:
                 best_k, best_gain = k, gain
         return best_k
 
+    def probe_interval(self, draft_cost: float = 0.0) -> int:
+        """Plain steps between probes: a probe costs r(2) - 1 more than a plain step (plus the draft)."""
+        extra = self.r[2] - 1 + draft_cost
+        return max(self.PROBE_EVERY * (1 + int(16 * draft_cost)), math.ceil(extra / self.PROBE_BUDGET))
+
     def _draft(self, context: list[int], limit: int):
         """Ask drafters in order of recent acceptance; take the first that proposes something worth verifying."""
         order = sorted(self.drafters, key=lambda d: -self.stats.by_drafter[d.name].rate)
@@ -123,9 +131,10 @@ class SpeculativeStepper:
             st = self.stats.by_drafter[d.name]
             cost = getattr(d, "cost_per_token", 0.0)
             k = self._best_k(st.rate, limit, cost)
-            # probe again after a run of plain steps; a drafter that costs forwards probes far less often
-            if k == 0 and self._plain_run >= self.PROBE_EVERY * (1 + int(16 * cost)):
-                k = min(2, limit)
+            # probe again after a run of plain steps: one token, as rarely as its cost asks (where a second
+            # row costs half a step, the 1.5B here, every 17 steps); a drafter that costs forwards even less often
+            if k == 0 and self._plain_run >= self.probe_interval(cost):
+                k = 1
             if k == 0:
                 continue
             drafts = d.propose(context, k)[:k]
