@@ -505,6 +505,21 @@ __attribute__((noinline)) void run_panel(const uint8_t* __restrict wr, int64_t K
   for (int i = 0; i < R * NA; ++i) st[i] = acc[i];
 }
 
+// f(Rows<R>{}) for the compile-time R equal to rr (R0 <= rr), or R1 when rr >= R1.
+template <int N>
+struct Rows {
+  static constexpr int value = N;
+};
+template <int R0, int R1, class F>
+UF_INLINE void with_rows(int64_t rr, F&& f) {
+  if constexpr (R0 < R1) {
+    if (rr == R0) return f(Rows<R0>{});
+    with_rows<R0 + 1, R1>(rr, f);
+  } else {
+    f(Rows<R1>{});
+  }
+}
+
 // Weight rows [n0, n1).
 // - Up to RMAX activation rows (decode, verification), or as many as keep their prepared x within L2: each
 //   weight row is read whole by run(), once per chunk of up to RMAX rows.
@@ -524,16 +539,7 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
         const int64_t rr = k - r0 < per ? k - r0 : per;
         const uint8_t* xr = xg + r0 * ldx;
         float* yr = y + r0 * ldy + n;
-        switch (rr) {
-          case 1: run<T, 1>(wr, K, xr, ldx, yr, ldy, far); break;
-          case 2: run<T, 2>(wr, K, xr, ldx, yr, ldy, far); break;
-          case 3: run<T, 3>(wr, K, xr, ldx, yr, ldy, far); break;
-          case 4: run<T, 4>(wr, K, xr, ldx, yr, ldy, far); break;
-          case 5: run<T, 5>(wr, K, xr, ldx, yr, ldy, far); break;
-          case 6: run<T, 6>(wr, K, xr, ldx, yr, ldy, far); break;
-          case 7: run<T, 7>(wr, K, xr, ldx, yr, ldy, far); break;
-          default: run<T, 8>(wr, K, xr, ldx, yr, ldy, far); break;
-        }
+        with_rows<1, RMAX>(rr, [&](auto R) { run<T, decltype(R)::value>(wr, K, xr, ldx, yr, ldy, far); });
       }
     }
     return true;
@@ -564,14 +570,7 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
         for (int64_t j = 0; j < g; ++j) {
           const uint8_t* wr = wg + j * rb;
           __m512* s = st + (j * k + r0) * NA;
-          switch (rr) {
-            case 1: run_panel<T, 1>(wr, K, b0, b1, xr, ldx, s); break;
-            case 2: run_panel<T, 2>(wr, K, b0, b1, xr, ldx, s); break;
-            case 3: run_panel<T, 3>(wr, K, b0, b1, xr, ldx, s); break;
-            case 4: run_panel<T, 4>(wr, K, b0, b1, xr, ldx, s); break;
-            case 5: run_panel<T, 5>(wr, K, b0, b1, xr, ldx, s); break;
-            default: run_panel<T, 6>(wr, K, b0, b1, xr, ldx, s); break;
-          }
+          with_rows<1, RP>(rr, [&](auto R) { run_panel<T, decltype(R)::value>(wr, K, b0, b1, xr, ldx, s); });
         }
       }
     }
