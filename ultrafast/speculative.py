@@ -21,7 +21,6 @@ again now and then, so the tier is never meaningfully slower than standard.
 from __future__ import annotations
 
 import math
-
 import time
 from dataclasses import dataclass, field
 
