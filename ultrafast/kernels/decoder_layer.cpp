@@ -14,12 +14,12 @@
 #include <omp.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "decoder_layer.h"
 #include "qmatmul_kernels.h"
+#include "scratch.h"
 
 namespace ultrafast {
 namespace {
@@ -43,23 +43,6 @@ inline void split(int64_t n, int nt, int t, int64_t* a, int64_t* b) {
   *a = n * t / nt;
   *b = n * (t + 1) / nt;
 }
-
-// Scratch of the calling thread, 64-byte aligned, grown on demand and reused by every layer of every step
-// (a step would otherwise allocate and zero about ten buffers per layer).
-struct Arena {
-  uint8_t* p = nullptr;
-  size_t n = 0;
-  ~Arena() { std::free(p); }
-  uint8_t* get(size_t bytes) {
-    if (bytes > n) {
-      std::free(p);
-      n = (bytes + 63) / 64 * 64;
-      p = static_cast<uint8_t*>(std::aligned_alloc(64, n));
-      if (!p) n = 0;
-    }
-    return p;
-  }
-};
 
 constexpr int64_t CH = 16;  // weight rows per matmul work chunk
 
@@ -149,7 +132,7 @@ bool decoder_layer_team(const LayerArgs& a) {
       maxlen = maxlen > pos_of[row] + 1 ? maxlen : pos_of[row] + 1;
     }
   const int64_t lds = (maxlen + 16 + 15) / 16 * 16;
-  // scratch: activations, prepared inputs, attention scores: one per-thread arena, carved in 64-byte aligned
+  // scratch: activations, prepared inputs, attention scores: the calling thread's scratch, carved in 64-byte aligned
   // pieces (the prepared rows are read and written with aligned vector moves); every piece is written before
   // it is read
   const int64_t fl = (int64_t)sizeof(float);
@@ -161,8 +144,8 @@ bool decoder_layer_team(const LayerArgs& a) {
     offs[i] = total;
     total += (sizes[i] + 63) / 64 * 64;
   }
-  static thread_local Arena arena;
-  uint8_t* base = arena.get((size_t)total);
+  static thread_local Scratch scratch;
+  uint8_t* base = scratch.get((size_t)total);
   if (!base) return false;
   auto fbuf = [&](int i) { return reinterpret_cast<float*>(base + offs[i]); };
   float *h = fbuf(0), *q = fbuf(1), *k = fbuf(2), *v = fbuf(3), *att = fbuf(4), *o = fbuf(5), *g = fbuf(6),

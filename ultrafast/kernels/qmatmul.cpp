@@ -20,6 +20,7 @@
 
 #include "decoder_layer.h"
 #include "qmatmul_kernels.h"
+#include "scratch.h"
 
 namespace ultrafast {
 namespace {
@@ -273,22 +274,12 @@ void attn_one_scalar(const float* q, const float* kc, const float* vc, int64_t L
 // ---------------------------------------------------------------------------------------------------
 // Bindings. Input errors are TORCH_CHECK_VALUE: a ValueError in Python with a clear message.
 
-// Per-thread scratch for the prepared activations (64-byte aligned, grown on demand, never shrunk).
-struct Scratch {
-  float* p = nullptr;
-  size_t n = 0;
-  ~Scratch() { std::free(p); }
-  float* get(size_t count) {
-    if (count > n) {
-      std::free(p);
-      const size_t bytes = ((count * sizeof(float)) + 63) / 64 * 64;
-      p = static_cast<float*>(std::aligned_alloc(64, bytes));
-      TORCH_CHECK(p != nullptr, "qmatmul: out of memory for ", bytes, " bytes of scratch");
-      n = count;
-    }
-    return p;
-  }
-};
+// The calling thread's scratch (scratch.h) for the prepared activations, or an error.
+static uint8_t* scratch_bytes(Scratch& s, size_t bytes) {
+  uint8_t* p = s.get(bytes);
+  TORCH_CHECK(p != nullptr, "qmatmul: out of memory for ", bytes, " bytes of scratch");
+  return p;
+}
 
 torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t qtype, int64_t in_features) {
   TypeInfo ti;
@@ -325,7 +316,7 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t
     // int16 activations + exact integer dot products (qmatmul_vnni.cpp); prep per row (batch-invariant)
     static thread_local Scratch scratch_v;
     const int64_t xb = qmm_prep_bytes_vnni((int)qtype, K);
-    uint8_t* xg = reinterpret_cast<uint8_t*>(scratch_v.get((size_t)((k * xb + 3) / 4 + 16)));
+    uint8_t* xg = scratch_bytes(scratch_v, (size_t)(k * xb + 64));
     at::parallel_for(0, k, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
       qmm_prep_vnni((int)qtype, xp + r0 * K, r1 - r0, K, xg + r0 * xb);
     });
@@ -347,7 +338,7 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t
     int64_t nx = 0, ns = 0;
     qmm_prep_sizes_avx512((int)qtype, K, &nx, &ns);
     const int64_t off = (k * nx + 15) / 16 * 16;
-    xprep = scratch.get((size_t)(off + k * ns + 16));
+    xprep = reinterpret_cast<float*>(scratch_bytes(scratch, sizeof(float) * (size_t)(off + k * ns + 16)));
     xsums = xprep + off;
     at::parallel_for(0, k, std::max<int64_t>(1, 65536 / K), [&](int64_t r0, int64_t r1) {
       qmm_prep_avx512((int)qtype, xp + r0 * K, r1 - r0, K, xprep + r0 * nx, xsums + r0 * ns);
