@@ -526,9 +526,7 @@ bool rows(const float* xp, const float* xs, int64_t k, int64_t K, const uint8_t*
     if (nblk > PB && n + G < n1) {
       // several K panels: rows are read panel by panel (with gaps), which defeats the hardware prefetcher
       // on weights streamed from memory, so prefetch the next group's rows into L2 meanwhile
-      const uint8_t* nx = wg + G * rb;
-      const int64_t gn = n1 - (n + G) < G ? n1 - (n + G) : G;
-      for (int64_t off = 0; off < gn * rb; off += 64) _mm_prefetch((const char*)(nx + off), _MM_HINT_T1);
+      prefetch_l2(wg + G * rb, (n1 - (n + G) < G ? n1 - (n + G) : G) * rb);
     }
     for (int64_t b0 = 0; b0 < nblk; b0 += PB) {
       const int64_t b1 = b0 + PB < nblk ? b0 + PB : nblk;

@@ -8,6 +8,12 @@
 
 namespace ultrafast {
 
+// Prefetch `bytes` from p into L2 (prefetcht1), a line at a time: the tiled schedules' next group of weight
+// rows. static: each translation unit keeps its own copy (see above).
+static inline void prefetch_l2(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
 // GGML type ids (gguf.GGMLQuantizationType).
 enum QType : int {
   QT_F32 = 0, QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q8_0 = 8,

@@ -558,9 +558,7 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
     for (int64_t i = 0; i < g * k * NA; ++i) st[i] = _mm512_setzero_ps();
     const uint8_t* wg = w + n * rb;
     if (n + G < n1) {
-      const uint8_t* nx = wg + G * rb;
-      const int64_t gn = n1 - (n + G) < G ? n1 - (n + G) : G;
-      for (int64_t off = 0; off < gn * rb; off += 64) _mm_prefetch((const char*)(nx + off), _MM_HINT_T1);
+      prefetch_l2(wg + G * rb, (n1 - (n + G) < G ? n1 - (n + G) : G) * rb);
     }
     for (int64_t b0 = 0; b0 < nkb; b0 += PB) {
       const int64_t b1 = b0 + PB < nkb ? b0 + PB : nkb;
