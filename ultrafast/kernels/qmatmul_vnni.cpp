@@ -15,19 +15,21 @@
 // exactly: Q4_0 -8*xsum, Q5_0 -16*xsum, Q8_0 -128*xsum, Q6_K -32*xsum per 16-value scale group) is
 // converted to fp32 and applied as
 //     acc += (d_w * s_b) * isum            (d_w: the block's fp32 scale as ggml computes it, e.g. d*sc)
-// and the fp32 offsets/mins as acc += m * (s_b * xsum) (Q4_1) or acc -= (dmin*m) * (s_b * xsum) (Q4_K).
+// and the fp32 offsets/mins as acc += m * (s_b * xsum) (Q4_1, per group) or acc -= (dmin*m) * (s_b * xsum)
+// (Q4_K, the 8 sub-blocks of a super-block in one vector op).
 // The only approximation is the int16 rounding of x (relative error ~1e-5 of sum |x*w| at worst).
 //
 // Lane layout. A "group" is 128 values: 4 blocks of 32 (Q6_K: 8 scale groups of 16, see KQ6K). Its weights
 // are decoded into 2 byte vectors in which 128-bit lane i holds values of block bm(i) only, so after the
 // dot products int32 lanes 4i..4i+3 hold partial sums of block bm(i) (Q6_K: lanes 4i, 4i+1 and 4i+2, 4i+3
 // two scale groups). The activation prep writes xh and xl in exactly that order, with per-lane vectors of
-// s_b, the integer offsets (one lane per block) and s_b * xsum_b (lane 4i only).
+// s_b, the integer offsets (one lane per block) and s_b * xsum_b (lane 4i only; Q4_K: see KQ4K).
 //
 // Batch invariance: every output y[r][n] is one fixed sequence of operations that depends only on
 // (qtype, K, weight row n, activation row r): per group the integer dot products (exact, in any order),
 // one convert, one mul (d_w * s), one fma into accumulator A (groups of even index in the row) or B (odd),
-// then (Q4_1/Q4_K) one fma for the mins into the same accumulator; groups in order; at the end A + B and a
+// then (Q4_1) one fma for the mins into the same accumulator; groups in order; (Q4_K) after a super-block's
+// two groups one fma for its mins into the second group's accumulator; at the end A + B and a
 // fixed horizontal sum. Two chains instead of one halve the wait on FMA latency. The tile size R, the row
 // range and the thread never change that sequence; the unit is built with -ffp-contract=off.
 // When weight rows are read whole (decode, verification) the weight stream is also prefetched ahead, into L1
@@ -137,7 +139,8 @@ UF_INLINE float quant32(const float* x, int16_t* q, int32_t* sum) {
 // ---- kernel types ------------------------------------------------------------------------------------
 // Each: NV, GV (values per group), KB/KBYTES (values/bytes of one kernel block = GPK groups),
 // PARTIAL_UNIT/_BYTES (a row whose K is not a multiple of KB ends in a partial kernel block decoded from a
-// zero-padded copy), IOFF (integer offset multiplier, 0 none), MINS (0 none, +1 Q4_1, -1 Q4_K), BM (lane
+// zero-padded copy), IOFF (integer offset multiplier, 0 none), MINS (0 none; +1 Q4_1: decode's mvec per
+// group; -1 Q4_K: Ctx::dm once per super-block, see KQ4K), BM (lane
 // block map), and decode(p, g, W, dvec, mvec) for group g of the kernel block at p.
 
 // Word-permute indices (vpermt2w over two 64-byte vectors; index bit 5 picks the second) gathering 8 words
@@ -160,7 +163,6 @@ struct K32 {
   // Q8_0's signed weights are multiplied as unsigned q + 128 (vpdpbusd's unsigned operand): -128 * xsum
   static constexpr int IOFF = QT == QT_Q4_0 ? -8 : QT == QT_Q5_0 ? -16 : QT == QT_Q8_0 ? -128 : 0;
   static constexpr int MINS = QT == QT_Q4_1 ? 1 : 0;
-  static constexpr bool SB_MINS = false;
   using X = XG;
   static UF_INLINE int bm(int i) { return i; }
   struct Ctx {};
@@ -217,7 +219,6 @@ struct KQ4K {
   // mins once per super-block: ctx.dm's lanes 8..15 (dmin*m of sub-blocks 0..7) against the x vector xsf
   // of the super-block's first group, whose lanes 8..15 hold s_b * xsum_b of its 8 blocks (0..7: zero)
   static constexpr int IOFF = 0, MINS = -1;
-  static constexpr bool SB_MINS = true;
   using X = XG;
   static UF_INLINE int bm(int i) { return i == 1 ? 2 : (i == 2 ? 1 : i); }  // lanes hold sub-blocks 0,2,1,3
   static UF_INLINE __m512 scales(const uint8_t* p) {
@@ -245,7 +246,7 @@ struct KQ4K {
     dvec = _mm512_permutexvar_ps(_mm512_setr_epi32(b, b, b, b, b + 2, b + 2, b + 2, b + 2, b + 1, b + 1, b + 1, b + 1,
                                                    b + 3, b + 3, b + 3, b + 3),
                                  dm);
-    mvec = _mm512_setzero_ps();  // unused: SB_MINS
+    mvec = _mm512_setzero_ps();  // unused: the mins go once per super-block
     const __m512i m0f = _mm512_set1_epi8(0x0F);
     const __m512i Q = _mm512_loadu_si512(p + 16 + 64 * c);
     const __m512i L = _mm512_and_si512(Q, m0f);
@@ -262,7 +263,6 @@ struct KQ4K {
 struct KQ6K {
   static constexpr int GV = 128, GPK = 2, KB = 256, KBYTES = 210, UNIT = 256, UNIT_BYTES = 210;
   static constexpr int IOFF = -32, MINS = 0;
-  static constexpr bool SB_MINS = false;
   using X = XG;
   struct Ctx {
     __m512 dsc;
@@ -321,7 +321,7 @@ void prep_row32(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1)
       }
       io[4 * i] = T::IOFF * sum;
       xsf[4 * i] = sb * (float)sum;
-      if constexpr (T::SB_MINS) {  // lane 8 + (block within its super-block) of the super-block's first group
+      if constexpr (T::MINS < 0) {  // lane 8 + (block within its super-block) of the super-block's first group
         float* sf = reinterpret_cast<float*>(&reinterpret_cast<XG*>(out + (G & ~(int64_t)1) * sizeof(XG))->xsf);
         sf[8 + 4 * (G & 1) + T::bm(i)] = sb * (float)sum;
         if ((G & 1) == 0) sf[2 * i] = sf[2 * i + 1] = 0.0f;
@@ -333,7 +333,7 @@ void prep_row32(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1)
     }
     g->s = _mm512_load_ps(s);
     g->ioff = _mm512_load_si512(io);
-    if constexpr (!T::SB_MINS) g->xsf = _mm512_load_ps(xsf);
+    if constexpr (T::MINS >= 0) g->xsf = _mm512_load_ps(xsf);
   }
 }
 
@@ -420,11 +420,10 @@ UF_INLINE void kblock(const uint8_t* p, const uint8_t* xg, int64_t ldx, __m512* 
       ia = _mm512_dpbusd_epi32(ia, W[1], xr->xl[1]);
       const __m512 t = _mm512_mul_ps(dvec, xr->s);
       acc[r * NA + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), t, acc[r * NA + c]);
-      if constexpr (T::MINS > 0 && !T::SB_MINS) acc[r * NA + c] = _mm512_fmadd_ps(mvec, xr->xsf, acc[r * NA + c]);
-      if constexpr (T::MINS < 0 && !T::SB_MINS) acc[r * NA + c] = _mm512_fnmadd_ps(mvec, xr->xsf, acc[r * NA + c]);
+      if constexpr (T::MINS > 0) acc[r * NA + c] = _mm512_fmadd_ps(mvec, xr->xsf, acc[r * NA + c]);
     }
   }
-  if constexpr (T::SB_MINS) {  // after the last group, into its chain
+  if constexpr (T::MINS < 0) {  // after the last group, into its chain
     constexpr int c = (PAR + T::GPK - 1) & 1;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
