@@ -5,9 +5,8 @@
 Runs Hugging Face transformers on the GGUF in fp32 twice: as is, and with the input of every linear layer
 rounded per block of 32 values to signed `bits`-bit integers (s = max|x| / (2^(bits-1) - 1), x = rint(x/s) * s:
 the activation quantization of our kernels, whose top is 32639 rather than 32767 at 16 bits, or of
-llama.cpp's q8 dot products at 8 bits). Prints, for eight
-chat prompts, the largest last-token logit difference and whether greedy decoding of `--tokens` tokens stays
-identical. Needs the `test` extra (transformers). hf_model and hf_greedy are also the reference of
+llama.cpp's q8 dot products at 8 bits). Prints, for eight chat prompts, the largest last-token logit
+difference and whether greedy decoding of `--tokens` tokens stays identical. Needs the `test` extra (transformers). hf_model and hf_greedy are also the reference of
 tests/test_reference_hf.py.
 """
 
