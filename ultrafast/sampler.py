@@ -3,8 +3,9 @@
 Greedy is argmax. Otherwise the logits pass through repetition penalty, temperature, top-k, top-p and
 min-p into a distribution, and one uniform number u from the request's seeded generator picks the
 token by inverse CDF. Exactly one u is drawn per emitted token, so a generation is a function of
-(model, prompt, params, seed): the ultrafast tier, which verifies several positions per pass, draws the
-same u for the same position and therefore emits the same tokens as the standard tier.
+(model, prompt, params, seed): the ultrafast tier with lookup drafters, which verifies several positions per
+pass, draws the same u for the same position and therefore emits the same tokens as the standard tier. With
+a draft model sampling its drafts (verifier.verify_sampled) the tokens differ, their distribution does not.
 """
 
 from __future__ import annotations
@@ -56,6 +57,16 @@ class SamplingParams:
             g.manual_seed(self.seed)
         return g
 
+    def draft_generator(self) -> torch.Generator:
+        """The generator a draft model samples its drafts with: seeded from `seed` too, but a stream apart
+        from the request's own, which stays one uniform per emitted token."""
+        g = torch.Generator()
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed((self.seed * 0x9E3779B1 + 0x7F4A7C15) % (1 << 63))
+        return g
+
 
 def apply_repetition_penalty(logits: torch.Tensor, history, penalty: float) -> torch.Tensor:
     """CTRL-style penalty on every token already seen (prompt and output), as Hugging Face applies it.
@@ -102,6 +113,7 @@ class Sampler:
     def __init__(self, params: SamplingParams, prompt_ids: list[int]):
         self.params = params
         self.gen = None if params.greedy else params.generator()
+        self._draft_gen = None
         self.history = list(prompt_ids)
 
     def distribution(self, logits: torch.Tensor, history: list[int] | None = None) -> torch.Tensor:
@@ -111,6 +123,14 @@ class Sampler:
 
     def next_uniform(self) -> float:
         return float(torch.rand(1, generator=self.gen, dtype=torch.float64))
+
+    def draft_sample(self, logits: torch.Tensor, history: list[int]) -> tuple[int, torch.Tensor]:
+        """For a draft model at temperature > 0: a token drawn from its logits under this request's transform,
+        and that distribution q (verify_sampled needs both). Draws from the draft generator, not the request's."""
+        if self._draft_gen is None:
+            self._draft_gen = self.params.draft_generator()
+        q = self.distribution(logits, history)
+        return sample_from(q, float(torch.rand(1, generator=self._draft_gen, dtype=torch.float64))), q
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits [V] for the next position -> token id; records it in the history."""

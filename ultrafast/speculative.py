@@ -3,13 +3,10 @@ itself would have produced.
 
 Verification runs the last emitted token and the k drafts through the model in one forward (the packed
 kernels make the logits of those k+1 rows bit-identical to k+1 one-token forwards), then walks the
-positions in order with the request's own sampler: the token sampled at position j is emitted, and the
-walk continues only while it equals draft j. Greedy, this is "accept the longest prefix equal to the
-target's argmax, plus one bonus token". With temperature, the sampler draws one uniform number per
-emitted position exactly as the standard tier does, so for deterministic drafters this is the
-speculative-sampling rule specialised to a point-mass draft: the emitted tokens are the standard tier's,
-for the same seed, and the distribution is the target's. The KV cache needs no copy to roll back: rows
-written for rejected drafts lie beyond the new position and are overwritten before anything attends to them.
+positions in order (`verifier.py`): with the request's own sampler for lookup drafts and greedy requests
+(the tokens are the standard tier's), with the speculative-sampling rule for drafts a draft model sampled
+(the distribution is the target's). The KV cache needs no copy to roll back: rows written for rejected
+drafts lie beyond the new position and are overwritten before anything attends to them.
 
 The adaptive policy picks k per pass from the drafter's recent per-token acceptance rate a and the
 measured cost r(n) of an n-row forward relative to a 1-row one: expected tokens per pass
@@ -23,6 +20,8 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+
+from .verifier import verify_point_mass, verify_sampled
 
 
 @dataclass
@@ -123,8 +122,13 @@ class SpeculativeStepper:
         extra = self.r[2] - 1 + draft_cost
         return max(self.PROBE_EVERY * (1 + int(16 * draft_cost)), math.ceil(extra / self.PROBE_BUDGET))
 
-    def _draft(self, context: list[int], limit: int):
-        """Ask drafters in order of recent acceptance; take the first that proposes something worth verifying."""
+    def _draft(self, sampler, limit: int):
+        """Ask drafters in order of recent acceptance; take the first that proposes something worth verifying.
+        Returns (drafter, drafts, q): q, the draft distributions, only for drafts sampled from one (a draft
+        model at temperature > 0), else None."""
+        context = sampler.history
+        params = getattr(sampler, "params", None)
+        sampling = params is not None and not params.greedy
         order = sorted(self.drafters, key=lambda d: -self.stats.by_drafter[d.name].rate)
         for d in order:
             st = self.stats.by_drafter[d.name]
@@ -136,21 +140,21 @@ class SpeculativeStepper:
                 k = 1
             if k == 0:
                 continue
-            drafts = d.propose(context, k)[:k]
-            if drafts:
-                return d, drafts
-        return None, []
+            if sampling and hasattr(d, "propose_sampled"):
+                drafts, q = d.propose_sampled(context, k, sampler)
+                if drafts:
+                    return d, drafts[:k], q[:k]
+            else:
+                drafts = d.propose(context, k)[:k]
+                if drafts:
+                    return d, drafts, None
+        return None, [], None
 
     def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
         """Emit the tokens after `tok` (at `pos`); `limit` bounds how many this pass may produce."""
-        drafter, drafts = self._draft(sampler.history, min(self.max_k, limit - 1)) if limit > 1 else (None, [])
+        drafter, drafts, q = self._draft(sampler, min(self.max_k, limit - 1)) if limit > 1 else (None, [], None)
         logits = self.engine._forward([tok] + drafts, pos, all_logits=bool(drafts), cache=self.cache)
-        out = []
-        for j in range(len(drafts) + 1):
-            s = sampler.sample(logits[j])
-            out.append(s)
-            if j == len(drafts) or s != drafts[j]:
-                break
+        out = verify_point_mass(logits, drafts, sampler) if q is None else verify_sampled(logits, drafts, q, sampler)
         self.stats.verify_passes += 1
         self.stats.emitted += len(out)
         self.stats.cost += self.r[len(drafts) + 1]
@@ -159,6 +163,8 @@ class SpeculativeStepper:
             self._plain_run += 1
         else:
             self._plain_run = 0
+            # accepted drafts: with sampled drafts a rejected position's token may equal its draft by chance,
+            # so count the walk's length, not matches
             accepted = len(out) - 1
             st = self.stats.by_drafter[drafter.name]
             st.passes += 1

@@ -1,7 +1,11 @@
 """A draft model that shares the target's tokenizer (e.g. Qwen2.5-Coder-0.5B for the 1.5B): it keeps its own
-KV cache in step with the accepted tokens and drafts greedily, one cheap forward per drafted token."""
+KV cache in step with the accepted tokens and drafts one cheap forward per drafted token. Greedy requests get
+its argmax (verified as point-mass drafts); sampled requests get tokens sampled from its distribution under
+the request's own transform, with those distributions, for the speculative-sampling rule."""
 
 from __future__ import annotations
+
+import torch
 
 
 class DraftModelDrafter:
@@ -17,7 +21,8 @@ class DraftModelDrafter:
             raise ValueError("prompt too long for the draft model's context")
         self.fed = []
 
-    def propose(self, context: list[int], k: int) -> list[int]:
+    def _run(self, context: list[int], k: int, pick) -> list[int]:
+        """Feed what the cache lacks, then draft k tokens, each chosen by pick(logits, tokens before it)."""
         if k <= 0 or len(context) + k >= self.engine.max_context:
             return []
         common = 0  # the cache is valid up to the first token where what was fed and the context differ
@@ -30,12 +35,27 @@ class DraftModelDrafter:
         self.fed = list(context)
         drafts = []
         while True:
-            tok = int(logits.argmax())
+            tok = pick(logits, self.fed)
             drafts.append(tok)
             if len(drafts) == k:
                 return drafts
             logits = self.engine._forward([tok], len(self.fed))[-1]
             self.fed.append(tok)
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        """Greedy drafts (the draft model's argmax)."""
+        return self._run(context, k, lambda logits, _history: int(logits.argmax()))
+
+    def propose_sampled(self, context: list[int], k: int, sampler) -> tuple[list[int], torch.Tensor]:
+        """Drafts sampled under the request's transform, and their distributions q [len(drafts), V]."""
+        qs = []
+
+        def pick(logits, history):
+            tok, q = sampler.draft_sample(logits, history)
+            qs.append(q)
+            return tok
+        drafts = self._run(context, k, pick)
+        return drafts, (torch.stack(qs) if qs else torch.empty(0))
 
     def end(self, context: list[int]) -> None:
         self.fed = []
