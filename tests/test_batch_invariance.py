@@ -46,6 +46,29 @@ def test_qwen05_k_invariant(qwen05_engine, prefix_len):
     check_invariance(qwen05_engine, ids[:prefix_len], ids[prefix_len:])
 
 
+@pytest.mark.parametrize("prefix_len", [3, 130])
+def test_int8_activations_k_invariant(qwen05_path, smollm_path, prefix_len):
+    """The same property with 8-bit activations (both tiers use them when the engine is built so), on both
+    real models; and the int8 logits are not the int16 ones (the option changes the arithmetic)."""
+    if not uk.vnni_supported():
+        pytest.skip("8-bit activations need the AVX512-VNNI kernels")
+    for path in (smollm_path, qwen05_path):
+        engine = Engine.from_path(path, max_context=512, device="cpu", activation_bits=8)
+        assert engine.kernels_in_use().endswith("vnni-int8")
+        g = torch.Generator().manual_seed(prefix_len)
+        ids = torch.randint(0, 49000, (prefix_len + 16,), generator=g).tolist()
+        check_invariance(engine, ids[:prefix_len], ids[prefix_len:])
+        int16 = Engine.from_path(path, max_context=512, device="cpu")
+        assert not torch.equal(engine._forward(ids[:prefix_len], 0), int16._forward(ids[:prefix_len], 0))
+
+
+def test_int8_activations_need_the_vnni_kernels(smollm_path):
+    with pytest.raises(ValueError, match="activation_bits must be 16 or 8"):
+        Engine.from_path(smollm_path, max_context=64, activation_bits=4)
+    with pytest.raises(ValueError, match="8-bit activations need the packed AVX512-VNNI"):
+        Engine.from_path(smollm_path, max_context=64, packed=False, activation_bits=8)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K],
                          ids=lambda t: t.name)

@@ -74,6 +74,23 @@ def test_greedy_ultrafast_equals_standard_on_spec_bench(spec_engine, drafters):
     assert sum(taus) / len(taus) > 1.0  # the drafters did get tokens accepted
 
 
+def test_greedy_ultrafast_equals_standard_with_int8_activations(smollm_path):
+    """With 8-bit activations (an engine-wide choice, both tiers) the tiers still agree token for token."""
+    import ultrafast.kernels as uk
+
+    if not uk.vnni_supported():
+        pytest.skip("8-bit activations need the AVX512-VNNI kernels")
+    engine = Engine.from_path(smollm_path, max_context=2048, device="cpu", activation_bits=8)
+    taus = []
+    for text in spec_bench_sample(1)[:6]:
+        ids = engine.chat_prompt([{"role": "user", "content": text}])
+        std = engine.generate(ids, SamplingParams(max_tokens=96))
+        fast = engine.generate(ids, SamplingParams(max_tokens=96), tier="ultrafast")
+        assert fast.token_ids == std.token_ids, text[:80]
+        taus.append(fast.spec["tau"])
+    assert sum(taus) / len(taus) > 1.0
+
+
 def test_bad_drafter_changes_nothing(spec_engine):
     ids = spec_engine.chat_prompt([{"role": "user", "content": "Write a limerick about a cat."}])
     for params in (SamplingParams(max_tokens=48), SamplingParams(max_tokens=48, temperature=0.8, seed=3)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
@@ -52,27 +53,34 @@ class Engine:
 
     @classmethod
     def from_path(cls, path: str | Path, *, max_context: int | None = None, device: str | None = None,
-                  packed: bool | None = None) -> "Engine":
+                  packed: bool | None = None, activation_bits: int = 16) -> "Engine":
         """packed: keep weights packed and use the batch-invariant CPU kernels (default on CPU when they build);
-        False is the reference path (weights dequantized to fp32 `nn.Linear`, PyTorch ops)."""
+        False is the reference path (weights dequantized to fp32 `nn.Linear`, PyTorch ops).
+        activation_bits: 16 (default), or 8 (llama.cpp's activation precision, twice the multiply rate in
+        prefill and verification; needs the packed AVX512-VNNI kernels). Both tiers use the same."""
+        if activation_bits not in (16, 8):
+            raise ValueError(f"activation_bits must be 16 or 8, got {activation_bits!r}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        loaded = load(path)
         if packed is None:
             packed = device == "cpu" and kernels.available()
-        transform = apply_packed if packed else None
+        if activation_bits == 8 and not (packed and kernels.vnni_supported()):
+            raise ValueError("8-bit activations need the packed AVX512-VNNI CPU kernels, which this run lacks")
+        loaded = load(path)
+        transform = partial(apply_packed, act_bits=activation_bits) if packed else None
         return cls(loaded, build_model(loaded, device, transform), max_context=max_context, device=device)
 
     @classmethod
     def from_model(cls, model: str, *, max_context: int | None = None, device: str | None = None,
-                   draft_model: str | None = None) -> "Engine":
+                   draft_model: str | None = None, activation_bits: int = 16) -> "Engine":
         """A `--model` argument (a registered name, pulled on first use, or a path), with an optional draft
         model that shares its tokenizer (`--draft-model`)."""
         from .pull import resolve_model
 
-        engine = cls.from_path(resolve_model(model), max_context=max_context, device=device)
+        engine = cls.from_path(resolve_model(model), max_context=max_context, device=device,
+                               activation_bits=activation_bits)
         if draft_model:
             engine.attach_draft_model(cls.from_path(resolve_model(draft_model), max_context=engine.max_context,
-                                                    device=device))
+                                                    device=device, activation_bits=activation_bits))
         return engine
 
     def describe(self) -> dict:
@@ -94,9 +102,13 @@ class Engine:
     def kernels_in_use(self) -> str:
         from .packed import FusedBlock, PackedLinear
 
-        if any(isinstance(m, PackedLinear) for m in self.model.modules()):
+        packed = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
+        if packed:
             fused = "fused layers" if isinstance(self.model.layers[0], FusedBlock) else "per-op"
-            return f"packed, {fused}, {kernels.path_in_use()}"
+            path = kernels.path_in_use()
+            if packed[0].act_bits == 8:
+                path = path.replace("int16", "int8")
+            return f"packed, {fused}, {path}"
         return "reference (fp32 nn.Linear)"
 
     # ---------------------------------------------------------------- prompts

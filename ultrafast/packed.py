@@ -6,7 +6,9 @@ quantization and tensor-parallel transforms:
   with the fused dequantize-and-multiply kernel (no fp32 copy of the weights exists);
 - `RMSNorm` and `AttentionCore` become kernel versions with a fixed reduction order per row.
 
-Activations are fp32. Every row's arithmetic is the same whatever the number of rows in the call, so the
+Activations are fp32 between operations; inside a quantized linear they are rounded per block of 32 to int16
+(`act_bits=16`, the default) or to int8 (`act_bits=8`, llama.cpp's precision at twice the multiply rate: see
+the README on the decode path). Every row's arithmetic is the same whatever the number of rows in the call, so the
 logits of k tokens verified in one forward are bit-identical to feeding them one at a time; this is what
 lets the ultrafast tier promise exactly the standard tier's tokens. (PyTorch's own fp32 `F.linear` is not
 batch-invariant on this CPU; its bf16 and int4/int8 packed matmuls are, but their scales are not the file's
@@ -23,24 +25,28 @@ from .model import AttentionCore, RMSNorm
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, raw: torch.Tensor, qtype: int, in_features: int, out_features: int, bias=None):
+    def __init__(self, raw: torch.Tensor, qtype: int, in_features: int, out_features: int, bias=None,
+                 act_bits: int = 16):
         super().__init__()
+        if act_bits not in (16, 8):
+            raise ValueError(f"act_bits must be 16 or 8, got {act_bits!r}")
         if raw.dtype != torch.uint8 or raw.shape[0] != out_features or raw.shape[1] != kernels.row_bytes(qtype, in_features):
             raise ValueError(f"packed weight of shape {list(raw.shape)} does not hold {out_features}x{in_features} "
                              f"values of type {qtype}")
         self.register_buffer("raw", raw.contiguous(), persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.qtype, self.in_features, self.out_features = int(qtype), in_features, out_features
+        self.act_bits = act_bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.qmatmul(x.contiguous(), self.raw, self.qtype, self.in_features)
+        y = kernels.qmatmul(x.contiguous(), self.raw, self.qtype, self.in_features, self.act_bits)
         return y if self.bias is None else y + self.bias
 
     def nbytes_per_step(self) -> int:
         return self.raw.numel() + (0 if self.bias is None else self.bias.numel() * 4)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, qtype={self.qtype}"
+        return f"in={self.in_features}, out={self.out_features}, qtype={self.qtype}, act_bits={self.act_bits}"
 
 
 class KernelRMSNorm(nn.Module):
@@ -73,6 +79,7 @@ class FusedBlock(nn.Module):
         lin = [block.get_submodule(n) for n in self.LINEARS]
         self._lin = lin
         self.qtypes = [m.qtype for m in lin]
+        self.act_bits = lin[0].act_bits
         self.biases = [m.bias for m in lin[:3]] if lin[0].bias is not None else []
         att = block.attention
         self.n_heads, self.n_kv_heads, self.head_dim, self.scale = att.n_heads, att.n_kv_heads, att.head_dim, att.scale
@@ -84,7 +91,7 @@ class FusedBlock(nn.Module):
     @staticmethod
     def fusable(block: nn.Module) -> bool:
         lin = [block.get_submodule(n) for n in FusedBlock.LINEARS]
-        return all(isinstance(m, PackedLinear) for m in lin) and \
+        return all(isinstance(m, PackedLinear) for m in lin) and len({m.act_bits for m in lin}) == 1 and \
             isinstance(block.attention_norm, KernelRMSNorm) and isinstance(block.ffn_norm, KernelRMSNorm)
 
     def forward(self, x, cos, sin, segments):
@@ -93,7 +100,7 @@ class FusedBlock(nn.Module):
         return kernels.decoder_block(x, starts, lens, b.attention_norm.weight, b.ffn_norm.weight,
                                      b.attention_norm.eps, self.raws, self.qtypes, self.biases, kcs, vcs,
                                      cos, sin,
-                                     self.n_heads, self.n_kv_heads, self.head_dim, self.scale)
+                                     self.n_heads, self.n_kv_heads, self.head_dim, self.scale, self.act_bits)
 
 
 def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -101,9 +108,10 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def apply_packed(model: nn.Module, loaded, fuse: bool = True) -> nn.Module:
+def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16) -> nn.Module:
     """Replace linears, norms and attention cores of `model` (built on meta) with packed kernel modules,
-    then (fuse) each decoder layer with a single-call fused layer over the same packed weights."""
+    then (fuse) each decoder layer with a single-call fused layer over the same packed weights. act_bits: the
+    precision of the quantized linears' activations (16, or 8: llama.cpp's)."""
     tensors, c = loaded.tensors, loaded.config
     for name, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear):
@@ -112,7 +120,7 @@ def apply_packed(model: nn.Module, loaded, fuse: bool = True) -> nn.Module:
             bias = tensors[f"{name}.bias"].dequantize() if f"{name}.bias" in tensors else None
             if qt.qtype not in kernels.SUPPORTED_TYPES:
                 continue  # stays a plain linear, filled in by the reference build
-            _swap(model, name, PackedLinear(qt.raw, qt.qtype, mod.in_features, mod.out_features, bias))
+            _swap(model, name, PackedLinear(qt.raw, qt.qtype, mod.in_features, mod.out_features, bias, act_bits))
         elif isinstance(mod, RMSNorm):
             _swap(model, name, KernelRMSNorm(tensors[f"{name}.weight"].dequantize(), mod.eps))
         elif isinstance(mod, AttentionCore):

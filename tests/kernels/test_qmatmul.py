@@ -420,3 +420,68 @@ def test_qmatmul_non_finite_inputs_propagate(path, qtype):
     assert torch.isfinite(y[0]).all()
     assert not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).any()
     assert torch.equal(y[0], uk.qmatmul(x[:1], raw, qtype, k_in)[0])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# int8 activations (act_bits=8: llama.cpp's precision, VNNI path only)
+
+def _round_int8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded per block of 32 as the kernels do: s = max|x| / 127 in fp32, q = rint(x / s)."""
+    xb = x.reshape(-1, 32)
+    s = xb.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.where(s > 0, torch.round(xb / torch.where(s > 0, s, torch.ones_like(s))), torch.zeros_like(xb))
+    return (q.double() * s.double()).reshape(x.shape)
+
+
+@pytest.fixture
+def vnni():
+    if not uk.load().vnni_supported():
+        pytest.skip("CPU without AVX512-VNNI")
+    uk.set_kernels_path("auto")
+    yield
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES), ids=lambda t: NAMES[t])
+def test_int8_activations_are_exact_products_of_the_rounded_x(vnni, qtype):
+    """With act_bits=8 the only approximation is x rounded to int8 per block of 32: the output equals
+    rounded-x @ dequant(W).T to fp32 summation error (and differs from the int16 result by far more)."""
+    for i, k in enumerate(K_VALUES[qtype]):
+        raw = random_weight(qtype, 29, k, seed=20 + i)
+        w = dequant(raw, qtype, k).double()
+        x = torch.randn(6, k, generator=torch.Generator().manual_seed(i))
+        y8 = uk.qmatmul(x, torch.from_numpy(raw), qtype, k, act_bits=8)
+        ref = _round_int8(x) @ w.T
+        scale = x.double().abs() @ w.abs().T
+        assert ((y8.double() - ref).abs() <= 2e-6 * scale + 1e-30).all(), f"K={k}"
+        y16 = uk.qmatmul(x, torch.from_numpy(raw), qtype, k)
+        assert (y8 - y16).abs().max() > 10 * (y8.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES), ids=lambda t: NAMES[t])
+def test_int8_activations_batch_invariant(vnni, qtype):
+    k_in = K_VALUES[qtype][-1]
+    raw = torch.from_numpy(random_weight(qtype, 35, k_in, seed=7))
+    x = torch.randn(37, k_in, generator=torch.Generator().manual_seed(1))
+    singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, qtype, k_in, act_bits=8) for i in range(37)])
+    for k in (2, 3, 8, 9, 16, 37):  # whole-row chunks and (37) the tiled schedule
+        assert torch.equal(uk.qmatmul(x[:k], raw, qtype, k_in, act_bits=8), singles[:k]), f"k={k}"
+    with num_threads(1):
+        assert torch.equal(uk.qmatmul(x[:16], raw, qtype, k_in, act_bits=8), singles[:16])
+
+
+def test_act_bits_errors():
+    raw = torch.from_numpy(random_weight(uk.Q8_0, 4, 64, seed=0))
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="act_bits must be 16 or 8"):
+        uk.qmatmul(x, raw, uk.Q8_0, 64, act_bits=4)
+    if uk.load().avx512_supported():
+        uk.set_kernels_path("fp32")
+        try:
+            with pytest.raises(ValueError, match="int8 activations need the AVX512-VNNI"):
+                uk.qmatmul(x, raw, uk.Q8_0, 64, act_bits=8)
+            # float weights have no integer products: act_bits does not apply to them
+            wf = torch.randn(4, 64)
+            assert torch.equal(uk.qmatmul(x, wf.view(torch.uint8), uk.F32, 64, act_bits=8),
+                               uk.qmatmul(x, wf.view(torch.uint8), uk.F32, 64))
+        finally:
+            uk.set_kernels_path("auto")

@@ -83,7 +83,8 @@ def main(args) -> int:
     from ..engine import Engine
 
     torch.set_num_threads(args.threads)
-    engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model)
+    engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model,
+                               activation_bits=args.activation_bits)
     drafters = args.drafters.split(",") if args.drafters else None
     std = run_agent_loop(engine, iterations=args.iterations, max_tokens=args.max_tokens, tier="standard")
     fast = run_agent_loop(engine, iterations=args.iterations, max_tokens=args.max_tokens, tier="ultrafast",

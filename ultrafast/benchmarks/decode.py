@@ -142,13 +142,14 @@ def bench_llama_cpp(path, ids: list[int], gen: int, threads: int, max_k: int, re
 
 
 def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int = 2, max_k: int = 16,
-              reps: int = 5, llama_cpp: bool = True, max_context: int | None = None) -> dict:
+              reps: int = 5, llama_cpp: bool = True, max_context: int | None = None, activation_bits: int = 16) -> dict:
     from ..engine import Engine
     from ..pull import resolve_model
 
     torch.set_num_threads(threads)
     path = resolve_model(model)
-    engine = Engine.from_path(path, max_context=max_context or max(prompt_len + gen + max_k + 8, 1024))
+    engine = Engine.from_path(path, max_context=max_context or max(prompt_len + gen + max_k + 8, 1024),
+                              activation_bits=activation_bits)
     info = engine.describe()
     bw1 = measure_read_bandwidth(1)
     bwn = measure_read_bandwidth(threads)
@@ -211,7 +212,7 @@ def format_table(r: dict) -> str:
 
 def main(args) -> int:
     r = run_bench(args.model, prompt_len=args.prompt_tokens, gen=args.gen_tokens, threads=args.threads,
-                  max_k=args.max_k, llama_cpp=not args.no_llama_cpp)
+                  max_k=args.max_k, llama_cpp=not args.no_llama_cpp, activation_bits=args.activation_bits)
     print(format_table(r))
     if args.json == "-":
         print(json.dumps(r, indent=2))

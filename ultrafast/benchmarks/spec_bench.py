@@ -142,7 +142,8 @@ def main(args) -> int:
     from ..engine import Engine
 
     torch.set_num_threads(args.threads)
-    engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model)
+    engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model,
+                               activation_bits=args.activation_bits)
     path = engine.loaded.path
     drafters = args.drafters.split(",") if args.drafters else None
     questions = load_questions(Path(args.questions) if args.questions else default_questions_path(),

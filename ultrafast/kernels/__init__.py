@@ -47,7 +47,7 @@ import torch
 __all__ = [
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "SUPPORTED_TYPES",
     "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
-    "avx512_active", "set_force_scalar", "KernelBuildError", "decoder_block", "path_in_use", "set_kernels_path",
+    "avx512_active", "vnni_supported", "set_force_scalar", "KernelBuildError", "decoder_block", "path_in_use", "set_kernels_path",
 ]
 
 # GGML type ids (gguf.GGMLQuantizationType)
@@ -185,6 +185,12 @@ def available() -> bool:
         return False
 
 
+def vnni_supported() -> bool:
+    """Whether this CPU runs the AVX512-VNNI integer kernels and they are the path in use (8-bit activations
+    need them)."""
+    return available() and load().vnni_supported() and path_in_use().startswith("vnni")
+
+
 def avx512_active() -> bool:
     """Whether calls use an AVX-512 path (fp32 or VNNI; False: portable scalar path)."""
     return bool(load().avx512_active())
@@ -213,12 +219,13 @@ def _not_tensor(name: str, t) -> ValueError:
     return ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def qmatmul(x: torch.Tensor, w: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+def qmatmul(x: torch.Tensor, w: torch.Tensor, qtype: int, in_features: int, act_bits: int = 16) -> torch.Tensor:
     """y[k, out] = x[k, in] @ dequant(w).T with w the raw GGUF bytes, uint8 [out_features, row_bytes].
 
     x may also be [in] or [..., in] (leading dims are flattened into rows and restored). Batch-invariant:
     each row's result is bit-identical whatever the other rows and the thread count. Wrong dtypes or
-    shapes raise ValueError (checked in C++).
+    shapes raise ValueError (checked in C++). act_bits: x is rounded per block of 32 to int16 (default) or
+    int8 inside the VNNI kernels (int8 needs them: ValueError on another path for a quantized type).
     """
     ext = _ext_or_load()
     try:
@@ -228,10 +235,10 @@ def qmatmul(x: torch.Tensor, w: torch.Tensor, qtype: int, in_features: int) -> t
     if not isinstance(w, torch.Tensor):
         raise _not_tensor("w", w)
     if nd == 2:
-        return ext.qmatmul(x, w, qtype, in_features)
+        return ext.qmatmul(x, w, qtype, in_features, act_bits)
     if nd == 0:
         raise ValueError("x must be [k, in_features], got a scalar")
-    y = ext.qmatmul(x.reshape(-1, x.shape[-1]), w, qtype, in_features)
+    y = ext.qmatmul(x.reshape(-1, x.shape[-1]), w, qtype, in_features, act_bits)
     return y.view(*x.shape[:-1], y.shape[1])
 
 
@@ -269,7 +276,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
 
 
 def decoder_block(x, starts, lens, attn_norm, ffn_norm, eps: float, weights, qtypes, biases, k_caches, v_caches,
-                  cos, sin, n_heads: int, n_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+                  cos, sin, n_heads: int, n_kv_heads: int, head_dim: int, scale: float,
+                  act_bits: int = 16) -> torch.Tensor:
     """One whole decoder layer in one call (see qmatmul.cpp): returns the new residual stream [T, d].
 
     The T rows are segments of one or more sequences: lens[s] rows at positions starts[s].., whose new keys
@@ -278,4 +286,4 @@ def decoder_block(x, starts, lens, attn_norm, ffn_norm, eps: float, weights, qty
     cos/sin: [T, head_dim] RoPE rows of the rows' positions. Batch-invariant like the rest."""
     return _ext_or_load().decoder_block(x, list(starts), list(lens), attn_norm, ffn_norm, eps, list(weights),
                                         list(qtypes), list(biases), list(k_caches), list(v_caches), cos, sin,
-                                        n_heads, n_kv_heads, head_dim, scale)
+                                        n_heads, n_kv_heads, head_dim, scale, act_bits)

@@ -55,7 +55,7 @@ struct Mat {
 };
 
 // This thread's share of the matmuls in `m` (split by weight bytes, whole chunks of CH rows).
-bool matmuls(const Mat* m, int nm, int64_t T, int nt, int t) {
+bool matmuls(const Mat* m, int nm, int64_t T, int nt, int t, bool x8) {
   int64_t total = 0;
   for (int i = 0; i < nm; ++i) total += m[i].N * m[i].rb;
   const int64_t lo = total * t / nt, hi = total * (t + 1) / nt;
@@ -72,7 +72,7 @@ bool matmuls(const Mat* m, int nm, int64_t T, int nt, int t) {
     const int64_t c0 = first_at(lo), c1 = first_at(hi);
     if (c1 > c0) {
       const int64_t n0 = c0 * CH, n1 = c1 * CH < m[i].N ? c1 * CH : m[i].N;
-      ok &= qmm_rows_vnni(m[i].qt, m[i].xg, T, m[i].K, m[i].w, m[i].rb, m[i].y, m[i].N, n0, n1);
+      ok &= qmm_rows_vnni(m[i].qt, m[i].xg, T, m[i].K, m[i].w, m[i].rb, m[i].y, m[i].N, n0, n1, x8);
     }
     off += m[i].N * m[i].rb;
   }
@@ -80,7 +80,7 @@ bool matmuls(const Mat* m, int nm, int64_t T, int nt, int t) {
 }
 
 // This thread's share of preparing T rows of x (K wide) for type qt: tasks are (row, group range).
-void prep(int qt, const float* x, int64_t T, int64_t K, uint8_t* xg, int nt, int t) {
+void prep(int qt, const float* x, int64_t T, int64_t K, uint8_t* xg, int nt, int t, bool x8) {
   const int64_t ng = qmm_prep_groups_vnni(qt, K), ldx = qmm_prep_bytes_vnni(qt, K);
   const int64_t per = 8;  // groups per task
   const int64_t tpr = (ng + per - 1) / per, ntask = T * tpr;
@@ -88,7 +88,7 @@ void prep(int qt, const float* x, int64_t T, int64_t K, uint8_t* xg, int nt, int
   split(ntask, nt, t, &a, &b);
   for (int64_t i = a; i < b; ++i) {
     const int64_t r = i / tpr, g0 = (i % tpr) * per, g1 = g0 + per < ng ? g0 + per : ng;
-    qmm_prep_range_vnni(qt, x + r * K, K, xg + r * ldx, g0, g1);
+    qmm_prep_range_vnni(qt, x + r * K, K, xg + r * ldx, g0, g1, x8);
   }
 }
 
@@ -163,13 +163,13 @@ bool decoder_layer_team(const LayerArgs& a) {
     for (int64_t r = r0; r < r1; ++r) rmsnorm_row(x + r * d, a.attn_norm, d, a.eps, h + r * d);
 #pragma omp barrier
     for (int i = 0; i < 3; ++i)
-      if (src[i] == i) prep(a.qt[i], h, T, d, xgp(i), n, t);
+      if (src[i] == i) prep(a.qt[i], h, T, d, xgp(i), n, t, a.x8);
 #pragma omp barrier
     {
       const Mat m[3] = {{a.w[0], a.rb[0], nq, d, a.qt[0], xgp(0), q},
                         {a.w[1], a.rb[1], nkv, d, a.qt[1], xgp(1), k},
                         {a.w[2], a.rb[2], nkv, d, a.qt[2], xgp(2), v}};
-      ok = matmuls(m, 3, T, n, t) && ok;
+      ok = matmuls(m, 3, T, n, t, a.x8) && ok;
     }
 #pragma omp barrier
     // 2. bias, RoPE (rotate-half), write the row's key and value into its sequence's cache
@@ -222,11 +222,11 @@ bool decoder_layer_team(const LayerArgs& a) {
       }
     }
 #pragma omp barrier
-    prep(a.qt[3], att, T, nq, xgp(3), n, t);
+    prep(a.qt[3], att, T, nq, xgp(3), n, t, a.x8);
 #pragma omp barrier
     {
       const Mat m[1] = {{a.w[3], a.rb[3], d, nq, a.qt[3], xgp(3), o}};
-      ok = matmuls(m, 1, T, n, t) && ok;
+      ok = matmuls(m, 1, T, n, t, a.x8) && ok;
     }
 #pragma omp barrier
     // 4. x += o; h = rmsnorm(x); prepare h for gate/up
@@ -237,12 +237,12 @@ bool decoder_layer_team(const LayerArgs& a) {
     }
 #pragma omp barrier
     for (int i = 4; i < 6; ++i)
-      if (src[i] == i) prep(a.qt[i], h, T, d, xgp(i), n, t);
+      if (src[i] == i) prep(a.qt[i], h, T, d, xgp(i), n, t, a.x8);
 #pragma omp barrier
     {
       const Mat m[2] = {{a.w[4], a.rb[4], f, d, a.qt[4], xgp(4), g},
                         {a.w[5], a.rb[5], f, d, a.qt[5], xgp(5), u}};
-      ok = matmuls(m, 2, T, n, t) && ok;
+      ok = matmuls(m, 2, T, n, t, a.x8) && ok;
     }
 #pragma omp barrier
     // 5. g = silu(g) * u (elementwise), prepare g for down, x += down(g)
@@ -255,11 +255,11 @@ bool decoder_layer_team(const LayerArgs& a) {
       }
     }
 #pragma omp barrier
-    prep(a.qt[6], g, T, f, xgp(6), n, t);
+    prep(a.qt[6], g, T, f, xgp(6), n, t, a.x8);
 #pragma omp barrier
     {
       const Mat m[1] = {{a.w[6], a.rb[6], d, f, a.qt[6], xgp(6), o}};
-      ok = matmuls(m, 1, T, n, t) && ok;
+      ok = matmuls(m, 1, T, n, t, a.x8) && ok;
     }
 #pragma omp barrier
     {

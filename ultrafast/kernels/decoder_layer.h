@@ -19,6 +19,7 @@ struct LayerArgs {
   const int64_t *ks0, *vs0;
   const float *cos, *sin;  // [T, hd]
   int nthreads;
+  bool x8;  // int8 activations in the linears (else int16)
 };
 
 // Whether the team path can run this layer (VNNI CPU, every linear a VNNI type, head_dim % 16 == 0).

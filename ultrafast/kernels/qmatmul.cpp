@@ -281,8 +281,10 @@ static uint8_t* scratch_bytes(Scratch& s, size_t bytes) {
   return p;
 }
 
-torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t qtype, int64_t in_features) {
+torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t qtype, int64_t in_features,
+                      int64_t act_bits) {
   TypeInfo ti;
+  TORCH_CHECK_VALUE(act_bits == 16 || act_bits == 8, "qmatmul: act_bits must be 16 or 8, got ", act_bits);
   TORCH_CHECK_VALUE(type_info((int)qtype, &ti), "qmatmul: unsupported GGML type id ", qtype,
                     " (supported: F32=0, F16=1, Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q6_K=14, BF16=30)");
   TORCH_CHECK_VALUE(x_in.device().is_cpu() && w.device().is_cpu(), "qmatmul: tensors must be on the CPU");
@@ -312,18 +314,23 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t
   float* yp = y.data_ptr<float>();
   constexpr int64_t CH = 16;
   const int64_t nch = (N + CH - 1) / CH;
-  if (qmm_vnni_supports((int)qtype) && vnni_on()) {
-    // int16 activations + exact integer dot products (qmatmul_vnni.cpp); prep per row (batch-invariant)
+  const bool vnni = qmm_vnni_supports((int)qtype) && vnni_on();
+  // int8 activations exist only on the VNNI path; float-typed weights (F32/F16/BF16) are always fp32 products
+  TORCH_CHECK_VALUE(act_bits == 16 || vnni || !qmm_vnni_supports((int)qtype),
+                    "qmatmul: int8 activations need the AVX512-VNNI kernels (path in use: ", path_in_use(), ")");
+  const bool x8 = act_bits == 8;
+  if (vnni) {
+    // int16 (x8: int8) activations + exact integer dot products (qmatmul_vnni.cpp); prep per row (batch-invariant)
     static thread_local Scratch scratch_v;
     const int64_t xb = qmm_prep_bytes_vnni((int)qtype, K);
     uint8_t* xg = scratch_bytes(scratch_v, (size_t)(k * xb + 64));
     at::parallel_for(0, k, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
-      qmm_prep_vnni((int)qtype, xp + r0 * K, r1 - r0, K, xg + r0 * xb);
+      qmm_prep_vnni((int)qtype, xp + r0 * K, r1 - r0, K, xg + r0 * xb, x8);
     });
     const int64_t grain =
         std::max<int64_t>(1, (48 * 1024) / std::max<int64_t>(1, CH * row_bytes * std::max<int64_t>(1, k / 4)));
     at::parallel_for(0, nch, grain, [&](int64_t c0, int64_t c1) {
-      TORCH_CHECK(qmm_rows_vnni((int)qtype, xg, k, K, wp, rb, yp, N, c0 * CH, std::min(N, c1 * CH)),
+      TORCH_CHECK(qmm_rows_vnni((int)qtype, xg, k, K, wp, rb, yp, N, c0 * CH, std::min(N, c1 * CH), x8),
                   "qmatmul: out of memory");
     });
     return y;
@@ -464,7 +471,8 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
                             const std::vector<int64_t>& qt, const std::vector<torch::Tensor>& bias,
                             const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
                             const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads,
-                            int64_t hd, double scale) {
+                            int64_t hd, double scale, int64_t act_bits) {
+  TORCH_CHECK_VALUE(act_bits == 16 || act_bits == 8, "decoder_block: act_bits must be 16 or 8, got ", act_bits);
   TORCH_CHECK_VALUE(w.size() == 7 && qt.size() == 7, "decoder_block: expected 7 linears");
   TORCH_CHECK_VALUE(bias.empty() || bias.size() == 3, "decoder_block: expected 0 or 3 biases");
   TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "decoder_block: x must be fp32 [T, d]");
@@ -535,13 +543,14 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
     a.kc = kp.data(), a.vc = vp.data(), a.ks0 = ks0.data(), a.vs0 = vs0.data();
     a.cos = cos.data_ptr<float>(), a.sin = sin.data_ptr<float>();
     a.nthreads = at::get_num_threads();
+    a.x8 = act_bits == 8;
     TORCH_CHECK(decoder_layer_team(a), "decoder_block: out of memory");
     return x;
   }
   auto h = rmsnorm(x, attn_norm, eps);
-  auto q = qmatmul(h, w[0], qt[0], d);
-  auto k = qmatmul(h, w[1], qt[1], d);
-  auto v = qmatmul(h, w[2], qt[2], d);
+  auto q = qmatmul(h, w[0], qt[0], d, act_bits);
+  auto k = qmatmul(h, w[1], qt[1], d, act_bits);
+  auto v = qmatmul(h, w[2], qt[2], d, act_bits);
   float* qp = q.data_ptr<float>();
   float* kp = k.data_ptr<float>();
   float* vp = v.data_ptr<float>();
@@ -590,13 +599,13 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
     att.narrow(0, row, lens[s]).copy_(attention(qv.narrow(0, row, lens[s]), kc, vc, starts[s], scale));
     row += lens[s];
   }
-  auto o = qmatmul(att.view({T, nq}), w[3], qt[3], nq);
+  auto o = qmatmul(att.view({T, nq}), w[3], qt[3], nq, act_bits);
   float* xp = x.data_ptr<float>();
   const float* op = o.data_ptr<float>();
   for (int64_t i = 0; i < T * d; ++i) xp[i] += op[i];
   auto h2 = rmsnorm(x, ffn_norm, eps);
-  auto g = qmatmul(h2, w[4], qt[4], d);
-  auto u = qmatmul(h2, w[5], qt[5], d);
+  auto g = qmatmul(h2, w[4], qt[4], d, act_bits);
+  auto u = qmatmul(h2, w[5], qt[5], d, act_bits);
   const int64_t f = g.size(1);
   float* gp = g.data_ptr<float>();
   const float* up = u.data_ptr<float>();
@@ -605,7 +614,7 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
       const float a = gp[t * f + i];
       gp[t * f + i] = a / (1.0f + std::exp(-a)) * up[t * f + i];
     }
-  auto dn = qmatmul(g, w[6], qt[6], f);
+  auto dn = qmatmul(g, w[6], qt[6], f, act_bits);
   const float* dp = dn.data_ptr<float>();
   for (int64_t i = 0; i < T * d; ++i) xp[i] += dp[i];
   return x;
@@ -619,7 +628,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The compute entry points release the GIL (they touch no Python objects), so other Python threads,
   // e.g. a server's I/O, keep running during a forward pass.
   m.def("qmatmul", &ultrafast::qmatmul, "y = x @ dequant(w).T for raw GGUF weight rows", py::arg("x"), py::arg("w"),
-        py::arg("qtype"), py::arg("in_features"), py::call_guard<py::gil_scoped_release>());
+        py::arg("qtype"), py::arg("in_features"), py::arg("act_bits") = 16, py::call_guard<py::gil_scoped_release>());
   m.def("rmsnorm", &ultrafast::rmsnorm, "row-wise RMSNorm", py::arg("x"), py::arg("weight"), py::arg("eps"),
         py::call_guard<py::gil_scoped_release>());
   m.def("attention", &ultrafast::attention, "causal GQA attention over a KV cache", py::arg("q"), py::arg("k_cache"),
@@ -628,7 +637,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("starts"), py::arg("lens"), py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("eps"), py::arg("w"),
         py::arg("qt"), py::arg("bias"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"), py::arg("sin"),
         py::arg("n_heads"),
-        py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("act_bits") = 16, py::call_guard<py::gil_scoped_release>());
   m.def("avx512_supported", &ultrafast::avx512_usable, "whether this CPU can run the AVX-512 path");
   m.def("avx512_active", &ultrafast::use_avx512, "whether the AVX-512 path is in use");
   m.def("set_force_scalar", [](bool v) { ultrafast::g_force_scalar.store(v); },

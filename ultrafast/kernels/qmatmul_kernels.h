@@ -44,21 +44,22 @@ bool qmm_rows_avx512(int qtype, const float* xp, const float* xs, int64_t k, int
 void attn_group_avx512(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t head_dim,
                        float scale, float* scores, int64_t lds, float* out);
 
-// ---- AVX512-VNNI integer path (qmatmul_vnni.cpp): int16 activations (per 32-block scale), exact integer
-// dot products with the file's quantized weights. Types Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K.
+// ---- AVX512-VNNI integer path (qmatmul_vnni.cpp): int16 activations (per 32-block scale; x8: int8, as
+// llama.cpp), exact integer dot products with the file's quantized weights. Types Q4_0, Q4_1, Q5_0, Q8_0,
+// Q4_K, Q6_K.
 bool vnni_usable();                 // AVX-512 F/BW/VL/DQ + VNNI (+FMA/F16C), checked at runtime
 bool qmm_vnni_supports(int qtype);  // the quantized types above
 // Bytes of prepared activation data per row (a multiple of 64); xg must be 64-byte aligned.
 int64_t qmm_prep_bytes_vnni(int qtype, int64_t K);
 // Quantize + lay out the k rows of x [k, K] into xg (rows qmm_prep_bytes_vnni apart); per row, so
-// batch-invariant.
-void qmm_prep_vnni(int qtype, const float* x, int64_t k, int64_t K, uint8_t* xg);
+// batch-invariant. x8: int8 activations (prep and rows must agree).
+void qmm_prep_vnni(int qtype, const float* x, int64_t k, int64_t K, uint8_t* xg, bool x8);
 // one row's prepared groups [G0, G1) (of qmm_prep_groups_vnni); rows of qmm_prep_bytes_vnni bytes
 int64_t qmm_prep_groups_vnni(int qtype, int64_t K);
-void qmm_prep_range_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1);
+void qmm_prep_range_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1, bool x8);
 // y[r * ldy + n] for r in [0, k), n in [n0, n1); per element the arithmetic depends only on (qtype, K,
-// weight row n, activation row r). Returns false only if a scratch allocation failed.
+// weight row n, activation row r, x8). Returns false only if a scratch allocation failed.
 bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
-                   int64_t ldy, int64_t n0, int64_t n1);
+                   int64_t ldy, int64_t n0, int64_t n1, bool x8);
 
 }  // namespace ultrafast

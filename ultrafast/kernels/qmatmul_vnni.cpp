@@ -106,8 +106,13 @@ UF_INLINE int8_t x_lo(int v) { return (int8_t)(v - 256 * ((v + 128) >> 8)); }
 // A block holding a NaN or an infinity gets s = NaN (and q = 0), so the outputs it feeds become NaN as on
 // the fp32 path instead of silently finite.
 constexpr float XQMAX = 32639.0f;
+// With int8 activations (x8, llama.cpp's precision: twice the multiply rate, one vpdpbusd per weight vector)
+// the top is 127 and x goes to the multiplier as one signed byte (in xh; xl stays zero and is not read).
+constexpr float XQMAX8 = 127.0f;
 
+template <bool X8>
 UF_INLINE float quant32(const float* x, int16_t* q, int32_t* sum) {
+  constexpr float TOP = X8 ? XQMAX8 : XQMAX;
   float mx = 0.0f;
   bool bad = false;
   for (int i = 0; i < 32; ++i) {
@@ -120,13 +125,13 @@ UF_INLINE float quant32(const float* x, int16_t* q, int32_t* sum) {
     *sum = 0;
     return __builtin_nanf("");
   }
-  const float s = mx / XQMAX;
+  const float s = mx / TOP;
   int32_t t = 0;
   for (int i = 0; i < 32; ++i) {
     int v = 0;
     if (s > 0.0f) {
       float f = __builtin_rintf(x[i] / s);
-      f = f > XQMAX ? XQMAX : (f < -XQMAX ? -XQMAX : f);
+      f = f > TOP ? TOP : (f < -TOP ? -TOP : f);
       v = (int)f;
     }
     q[i] = (int16_t)v;
@@ -291,7 +296,7 @@ struct KQ6K {
 // ---- activation prep --------------------------------------------------------------------------------
 
 // 32-value-block types (incl. Q4_K): group G covers blocks 4G..4G+3 (those < nblk); lane i <- block bm(i).
-template <class T>
+template <class T, bool X8>
 void prep_row32(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1) {
   const int64_t nblk = K / 32;
   for (int64_t G = G0; G < G1; ++G) {
@@ -305,14 +310,14 @@ void prep_row32(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1)
       int32_t sum = 0;
       float sb = 0.0f;
       if (blk < nblk) {
-        sb = quant32(x + 32 * blk, q, &sum);
+        sb = quant32<X8>(x + 32 * blk, q, &sum);
       } else {
         for (int j = 0; j < 32; ++j) q[j] = 0;
       }
       for (int v = 0; v < 2; ++v)
         for (int j = 0; j < 16; ++j) {
-          xh[v][16 * i + j] = x_hi(q[16 * v + j]);
-          xl[v][16 * i + j] = x_lo(q[16 * v + j]);
+          xh[v][16 * i + j] = X8 ? (int8_t)q[16 * v + j] : x_hi(q[16 * v + j]);
+          xl[v][16 * i + j] = X8 ? 0 : x_lo(q[16 * v + j]);
         }
       for (int j = 0; j < 4; ++j) {
         s[4 * i + j] = sb;
@@ -339,6 +344,7 @@ void prep_row32(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1)
 
 // Q6_K: group G covers values 128G..128G+127 (half a super-block). Vector v, 128-bit lane i, byte j holds
 // value 16i + 8v + j (j < 8, scale group i) or 64 + 16i + 8v + (j - 8) (scale group 4 + i).
+template <bool X8>
 void prep_row_q6k(const float* x, uint8_t* out, int64_t G0, int64_t G1) {
   for (int64_t G = G0; G < G1; ++G) {
     XG* g = reinterpret_cast<XG*>(out + G * sizeof(XG));
@@ -346,7 +352,7 @@ void prep_row_q6k(const float* x, uint8_t* out, int64_t G0, int64_t G1) {
     float sb[4];
     for (int b = 0; b < 4; ++b) {
       int32_t unused;
-      sb[b] = quant32(x + 128 * G + 32 * b, q + 32 * b, &unused);
+      sb[b] = quant32<X8>(x + 128 * G + 32 * b, q + 32 * b, &unused);
     }
     alignas(64) int8_t xh[2][64], xl[2][64];
     alignas(64) float s[16], xsf[16];
@@ -355,8 +361,8 @@ void prep_row_q6k(const float* x, uint8_t* out, int64_t G0, int64_t G1) {
       for (int i = 0; i < 4; ++i)
         for (int j = 0; j < 16; ++j) {
           const int val = q[j < 8 ? 16 * i + 8 * v + j : 64 + 16 * i + 8 * v + (j - 8)];
-          xh[v][16 * i + j] = x_hi(val);
-          xl[v][16 * i + j] = x_lo(val);
+          xh[v][16 * i + j] = X8 ? (int8_t)val : x_hi(val);
+          xl[v][16 * i + j] = X8 ? 0 : x_lo(val);
         }
     for (int i = 0; i < 4; ++i)
       for (int j = 0; j < 4; ++j) {
@@ -397,7 +403,7 @@ constexpr int NACC = 2;
 // is not bounded by the call's rows: past them lie the next rows or the next tensor of the file.
 constexpr int64_t PF_NEAR = 2048, PF_FAR = 12288, PF_FAR_MIN = 512 * 1024;
 
-template <class T, int R, int PAR>
+template <class T, int R, int PAR, bool X8>
 UF_INLINE void kblock(const uint8_t* p, const uint8_t* xg, int64_t ldx, __m512* acc) {
   using X = typename T::X;
   constexpr int NA = NACC<T>;
@@ -411,13 +417,15 @@ UF_INLINE void kblock(const uint8_t* p, const uint8_t* xg, int64_t ldx, __m512* 
     for (int r = 0; r < R; ++r) {
       const X* xr = reinterpret_cast<const X*>(xg + r * ldx) + g;
       const int c = (PAR + g) & 1;
-      // q.x = 256 * (q.xh) + q.xl (+ the integer offset): exact in int32
+      // q.x = 256 * (q.xh) + q.xl (+ the integer offset): exact in int32; int8 x: q.x (+ the offset)
       __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[0], xr->xh[0]);
       ia = _mm512_dpbusd_epi32(ia, W[1], xr->xh[1]);
-      ia = _mm512_slli_epi32(ia, 8);
+      if constexpr (!X8) ia = _mm512_slli_epi32(ia, 8);
       if constexpr (T::IOFF != 0) ia = _mm512_add_epi32(ia, xr->ioff);
-      ia = _mm512_dpbusd_epi32(ia, W[0], xr->xl[0]);
-      ia = _mm512_dpbusd_epi32(ia, W[1], xr->xl[1]);
+      if constexpr (!X8) {
+        ia = _mm512_dpbusd_epi32(ia, W[0], xr->xl[0]);
+        ia = _mm512_dpbusd_epi32(ia, W[1], xr->xl[1]);
+      }
       const __m512 t = _mm512_mul_ps(dvec, xr->s);
       acc[r * NA + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), t, acc[r * NA + c]);
       if constexpr (T::MINS > 0) acc[r * NA + c] = _mm512_fmadd_ps(mvec, xr->xsf, acc[r * NA + c]);
@@ -433,30 +441,30 @@ UF_INLINE void kblock(const uint8_t* p, const uint8_t* xg, int64_t ldx, __m512* 
   }
 }
 
-template <class T, int R>
+template <class T, int R, bool X8>
 UF_INLINE void kblock_at(int64_t b, const uint8_t* p, const uint8_t* xg, int64_t ldx, __m512* acc) {
   if (T::GPK == 1 && (b & 1))
-    kblock<T, R, 1>(p, xg, ldx, acc);
+    kblock<T, R, 1, X8>(p, xg, ldx, acc);
   else
-    kblock<T, R, 0>(p, xg, ldx, acc);
+    kblock<T, R, 0, X8>(p, xg, ldx, acc);
 }
 
 // The partial last kernel block of a row whose K is not a multiple of KB, decoded from a zero-padded copy
 // (x is zero-padded too).
-template <class T, int R>
+template <class T, int R, bool X8>
 UF_INLINE void partial_kblock(const uint8_t* wr, int64_t K, const uint8_t* xg, int64_t ldx, __m512* acc) {
   const int64_t nfull = K / T::KB, nunits = (K - nfull * T::KB) / T::UNIT;
   constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;
   alignas(64) uint8_t buf[T::KBYTES + 64];
   for (int i = 0; i < T::KBYTES + 64; ++i) buf[i] = 0;
   __builtin_memcpy(buf, wr + nfull * T::KBYTES, (size_t)(nunits * T::UNIT_BYTES));
-  kblock_at<T, R>(nfull, buf, xg + nfull * XB, ldx, acc);
+  kblock_at<T, R, X8>(nfull, buf, xg + nfull * XB, ldx, acc);
 }
 
 // One weight row against R activation rows: y[r * ldy] for r < R. The weight stream is prefetched ahead (rows
 // are read whole and in address order, so the next row's bytes are what is ahead), up to pf_end (the end of
 // the caller's rows: with small matrices, bytes past it would be another thread's or another tensor's).
-template <class T, int R>
+template <class T, int R, bool X8>
 __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t K, const uint8_t* __restrict xg,
                                    int64_t ldx, float* y, int64_t ldy, bool far) {
   const int64_t nfull = K / T::KB;
@@ -477,9 +485,9 @@ __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t K, cons
 #pragma GCC unroll 4
       for (int o = 0; o < T::KBYTES; o += 64) _mm_prefetch((const char*)(p + PF_NEAR + o), _MM_HINT_T0);
     }
-    kblock_at<T, R>(b, p, xg + b * XB, ldx, acc);
+    kblock_at<T, R, X8>(b, p, xg + b * XB, ldx, acc);
   }
-  if (nfull * T::KB < K) partial_kblock<T, R>(wr, K, xg, ldx, acc);
+  if (nfull * T::KB < K) partial_kblock<T, R, X8>(wr, K, xg, ldx, acc);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r * NA], acc[r * NA + 1]));
@@ -488,7 +496,7 @@ __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t K, cons
 
 // Kernel blocks [b0, b1) of one weight row for R activation rows, accumulators kept in st (st[r * NACC ..])
 // between calls (an exact round trip through memory), for the tiled schedule of many activation rows.
-template <class T, int R>
+template <class T, int R, bool X8>
 __attribute__((noinline)) void run_panel(const uint8_t* __restrict wr, int64_t K, int64_t b0, int64_t b1,
                                          const uint8_t* __restrict xg, int64_t ldx, __m512* st) {
   const int64_t nfull = K / T::KB;
@@ -498,8 +506,8 @@ __attribute__((noinline)) void run_panel(const uint8_t* __restrict wr, int64_t K
 #pragma GCC unroll 16
   for (int i = 0; i < R * NA; ++i) acc[i] = st[i];
   const int64_t bf = b1 < nfull ? b1 : nfull;
-  for (int64_t b = b0; b < bf; ++b) kblock_at<T, R>(b, wr + b * T::KBYTES, xg + b * XB, ldx, acc);
-  if (b1 > nfull) partial_kblock<T, R>(wr, K, xg, ldx, acc);
+  for (int64_t b = b0; b < bf; ++b) kblock_at<T, R, X8>(b, wr + b * T::KBYTES, xg + b * XB, ldx, acc);
+  if (b1 > nfull) partial_kblock<T, R, X8>(wr, K, xg, ldx, acc);
 #pragma GCC unroll 16
   for (int i = 0; i < R * NA; ++i) st[i] = acc[i];
 }
@@ -526,7 +534,7 @@ UF_INLINE void with_rows(int64_t rr, F&& f) {
 //   one chunk of rows stays in L1 while the G weight rows sweep it (x of 100+ rows would stream from L3
 //   for every weight row otherwise); the next tile's weights are prefetched into L2.
 // Both give every output the same operations in the same order (run_panel continues run's chains).
-template <class T>
+template <class T, bool X8>
 bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
           int64_t ldy, int64_t n0, int64_t n1) {
   if (k <= RMAX || k * ldx <= 256 * 1024) {  // all rows' x stays in L2: whole rows, chunks of <= RMAX rows
@@ -538,7 +546,7 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
         const int64_t rr = k - r0 < per ? k - r0 : per;
         const uint8_t* xr = xg + r0 * ldx;
         float* yr = y + r0 * ldy + n;
-        with_rows<1, RMAX>(rr, [&](auto R) { run<T, decltype(R)::value>(wr, K, xr, ldx, yr, ldy, far); });
+        with_rows<1, RMAX>(rr, [&](auto R) { run<T, decltype(R)::value, X8>(wr, K, xr, ldx, yr, ldy, far); });
       }
     }
     return true;
@@ -567,7 +575,7 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
         for (int64_t j = 0; j < g; ++j) {
           const uint8_t* wr = wg + j * rb;
           __m512* s = st + (j * k + r0) * NA;
-          with_rows<1, RP>(rr, [&](auto R) { run_panel<T, decltype(R)::value>(wr, K, b0, b1, xr, ldx, s); });
+          with_rows<1, RP>(rr, [&](auto R) { run_panel<T, decltype(R)::value, X8>(wr, K, b0, b1, xr, ldx, s); });
         }
       }
     }
@@ -625,29 +633,41 @@ int64_t qmm_prep_groups_vnni(int qtype, int64_t K) {
   return qtype == QT_Q6_K ? K / 128 : (K / 32 + 3) / 4;
 }
 
-void qmm_prep_range_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1) {
+template <bool X8>
+void prep_range(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1) {
   switch (qtype) {
-    case QT_Q6_K: prep_row_q6k(x, xg, G0, G1); break;
-    case QT_Q4_K: prep_row32<KQ4K>(x, K, xg, G0, G1); break;
-    case QT_Q4_0: prep_row32<K32<QT_Q4_0>>(x, K, xg, G0, G1); break;
-    case QT_Q4_1: prep_row32<K32<QT_Q4_1>>(x, K, xg, G0, G1); break;
-    case QT_Q5_0: prep_row32<K32<QT_Q5_0>>(x, K, xg, G0, G1); break;
-    case QT_Q8_0: prep_row32<K32<QT_Q8_0>>(x, K, xg, G0, G1); break;
+    case QT_Q6_K: prep_row_q6k<X8>(x, xg, G0, G1); break;
+    case QT_Q4_K: prep_row32<KQ4K, X8>(x, K, xg, G0, G1); break;
+    case QT_Q4_0: prep_row32<K32<QT_Q4_0>, X8>(x, K, xg, G0, G1); break;
+    case QT_Q4_1: prep_row32<K32<QT_Q4_1>, X8>(x, K, xg, G0, G1); break;
+    case QT_Q5_0: prep_row32<K32<QT_Q5_0>, X8>(x, K, xg, G0, G1); break;
+    case QT_Q8_0: prep_row32<K32<QT_Q8_0>, X8>(x, K, xg, G0, G1); break;
     default: break;
   }
 }
 
-void qmm_prep_vnni(int qtype, const float* x, int64_t k, int64_t K, uint8_t* xg) {
+void qmm_prep_range_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1, bool x8) {
+  if (x8)
+    prep_range<true>(qtype, x, K, xg, G0, G1);
+  else
+    prep_range<false>(qtype, x, K, xg, G0, G1);
+}
+
+void qmm_prep_vnni(int qtype, const float* x, int64_t k, int64_t K, uint8_t* xg, bool x8) {
   const int64_t ldx = qmm_prep_bytes_vnni(qtype, K);
   const int64_t ng = qmm_prep_groups_vnni(qtype, K);
-  for (int64_t r = 0; r < k; ++r) qmm_prep_range_vnni(qtype, x + r * K, K, xg + r * ldx, 0, ng);
+  for (int64_t r = 0; r < k; ++r) qmm_prep_range_vnni(qtype, x + r * K, K, xg + r * ldx, 0, ng, x8);
 }
 
 bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
-                   int64_t ldy, int64_t n0, int64_t n1) {
+                   int64_t ldy, int64_t n0, int64_t n1, bool x8) {
   const int64_t ldx = qmm_prep_bytes_vnni(qtype, K);
   bool ok = false;
-  UF_VNNI_DISPATCH(qtype, ok = rows<T>(xg, ldx, k, K, w, rb, y, ldy, n0, n1))
+  if (x8) {
+    UF_VNNI_DISPATCH(qtype, ok = (rows<T, true>(xg, ldx, k, K, w, rb, y, ldy, n0, n1)))
+  } else {
+    UF_VNNI_DISPATCH(qtype, ok = (rows<T, false>(xg, ldx, k, K, w, rb, y, ldy, n0, n1)))
+  }
   return ok;
 }
 
@@ -665,11 +685,11 @@ namespace ultrafast {
 bool vnni_usable() { return false; }
 bool qmm_vnni_supports(int) { return false; }
 int64_t qmm_prep_bytes_vnni(int, int64_t) { return 0; }
-void qmm_prep_vnni(int, const float*, int64_t, int64_t, uint8_t*) {}
+void qmm_prep_vnni(int, const float*, int64_t, int64_t, uint8_t*, bool) {}
 int64_t qmm_prep_groups_vnni(int, int64_t) { return 0; }
-void qmm_prep_range_vnni(int, const float*, int64_t, uint8_t*, int64_t, int64_t) {}
+void qmm_prep_range_vnni(int, const float*, int64_t, uint8_t*, int64_t, int64_t, bool) {}
 bool qmm_rows_vnni(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t,
-                   int64_t) {
+                   int64_t, bool) {
   return false;
 }
 }  // namespace ultrafast
