@@ -30,6 +30,9 @@ class DrafterStats:
     drafted: int = 0
     accepted: int = 0
     rate: float = 0.6  # recent per-token acceptance (EMA), optimistic at first
+    # the same by match-length class (lookup drafters: see match_class), so that a long match is not judged
+    # by the short ones' record
+    rates: dict[int, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
@@ -59,6 +62,11 @@ class SpecStats:
         return {"tau": round(self.tau, 4), "verify_passes": self.verify_passes, "plain_steps": self.plain_steps,
                 "mean_r": round(self.cost / self.verify_passes, 4) if self.verify_passes else 1.0,
                 "drafters": {k: v.to_json() for k, v in self.by_drafter.items()}}
+
+
+def match_class(n: int) -> int:
+    """Match lengths 1, 2-3, 4-7, 8-15, 16+ -> classes 1..5; 0: not a lookup (no match length)."""
+    return min(5, max(0, int(n)).bit_length())
 
 
 def measure_r(engine, max_k: int = 16, reps: int = 3, *, prefix: list[int] | None = None,
@@ -97,6 +105,7 @@ class SpeculativeStepper:
         self.max_k = min(max_k, len(r) - 2)
         self.stats = SpecStats(by_drafter={d.name: DrafterStats() for d in drafters})
         self._plain_run = 0
+        self._cls = 0  # match class of the drafts in flight
 
     def begin(self, prompt_ids: list[int]) -> None:
         for d in self.drafters:
@@ -133,6 +142,19 @@ class SpeculativeStepper:
         for d in order:
             st = self.stats.by_drafter[d.name]
             cost = getattr(d, "cost_per_token", 0.0)
+            if cost == 0.0:  # a lookup: ask first (it is free), then size k by the acceptance of its match class
+                drafts = d.propose(context, limit)[:limit]
+                if not drafts:
+                    continue
+                cls = match_class(getattr(d, "match_len", 0))
+                k = self._best_k(st.rates.get(cls, DrafterStats.rate), len(drafts))
+                if k == 0 and self._plain_run >= self.probe_interval():
+                    k = 1
+                if k > 0:
+                    self._cls = cls
+                    return d, drafts[:k], None
+                continue
+            self._cls = 0
             k = self._best_k(st.rate, limit, cost)
             # probe again after a run of plain steps: one token, as rarely as its cost asks (where a second
             # row costs half a step, the 1.5B here, every 17 steps); a drafter that costs forwards even less often
@@ -172,6 +194,8 @@ class SpeculativeStepper:
             st.accepted += accepted
             trials = accepted + (1 if accepted < len(drafts) else 0)
             st.rate = (1 - self.EMA) * st.rate + self.EMA * (accepted / trials)
+            old = st.rates.get(self._cls, DrafterStats.rate)
+            st.rates[self._cls] = (1 - self.EMA) * old + self.EMA * (accepted / trials)
         return out
 
 

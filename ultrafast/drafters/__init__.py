@@ -12,6 +12,9 @@ from typing import Protocol
 
 class Drafter(Protocol):
     name: str
+    # optional: cost_per_token (draft forwards, in target 1-token forwards; 0 if absent: a lookup) and, for
+    # lookups, match_len (how many context tokens the last proposal matched: the policy keeps acceptance
+    # per match-length class)
 
     def begin(self, prompt_ids: list[int]) -> None:
         """A new request starts with this prompt."""

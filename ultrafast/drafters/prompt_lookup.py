@@ -14,6 +14,7 @@ class PromptLookupDrafter:
             raise ValueError("prompt lookup needs 1 <= min_ngram <= max_ngram")
         self.levels = tuple(range(min_ngram, max_ngram + 1))
         self.index = NgramIndex(self.levels)
+        self.match_len = 0  # of the last proposal
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.index = NgramIndex(self.levels)
@@ -21,7 +22,8 @@ class PromptLookupDrafter:
 
     def propose(self, context: list[int], k: int) -> list[int]:
         self.index.extend(context[len(self.index.tokens):])
-        return self.index.lookup(context, k)[1]
+        self.match_len, drafts = self.index.lookup(context, k)
+        return drafts
 
     def end(self, context: list[int]) -> None:
         pass

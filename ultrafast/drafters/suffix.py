@@ -33,6 +33,7 @@ class SuffixDrafter:
     def __init__(self, cache: SuffixCache, *, tokens_per_matched: float = 2.0, min_match: int = 2):
         self.cache, self.tokens_per_matched, self.min_match = cache, tokens_per_matched, min_match
         self.local = NgramIndex(LEVELS)
+        self.match_len = 0  # of the last proposal
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.local = NgramIndex(LEVELS)
@@ -46,6 +47,7 @@ class SuffixDrafter:
             best_n, best = n, other
         if SEPARATOR in best:
             best = best[:best.index(SEPARATOR)]
+        self.match_len = best_n
         return best[: max(1, int(self.tokens_per_matched * best_n))] if best_n else []
 
     def end(self, context: list[int]) -> None:
