@@ -198,3 +198,37 @@ def test_useless_drafter_costs_at_most_the_probe_budget(r2):
     probes = st.stats.by_drafter["wrong"].passes
     assert probes >= 400 // (st.probe_interval() + 1) - 3  # it keeps probing
     assert st.stats.cost / st.stats.emitted <= 1.0 + SpeculativeStepper.PROBE_BUDGET + 0.01
+
+
+class _TwoKindsDrafter:
+    """Short matches (1 token) propose wrong tokens, long ones (20 tokens) the right ones (argmax 1)."""
+    name = "two_kinds"
+
+    def __init__(self):
+        self.match_len, self.calls = 0, 0
+
+    def begin(self, prompt_ids):
+        pass
+
+    def propose(self, context, k):
+        self.calls += 1
+        long = self.calls % 2 == 0
+        self.match_len = 20 if long else 1
+        return [1 if long else 2] * k
+
+    def end(self, context):
+        pass
+
+
+def test_acceptance_is_kept_per_match_length_class():
+    """The long matches' record earns them long drafts although the short matches keep failing."""
+    from ultrafast.speculative import SpeculativeStepper, match_class
+
+    assert [match_class(n) for n in (0, 1, 2, 3, 4, 7, 8, 15, 16, 100)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    r = [0.0, 1.0] + [1.0 + 0.4 * (k - 1) for k in range(2, 18)]
+    st = SpeculativeStepper(_ArgmaxEngine(), None, [_TwoKindsDrafter()], r)
+    sampler = _Greedy()
+    emitted = [len(st.step(1, pos, sampler, 64)) for pos in range(200)]
+    rates = st.stats.by_drafter["two_kinds"].rates
+    assert rates[5] > 0.95 and rates[1] < 0.5  # (short ones are then only probed now and then)
+    assert max(emitted[-20:]) >= 6  # long drafts accepted whole
