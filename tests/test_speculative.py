@@ -232,3 +232,12 @@ def test_acceptance_is_kept_per_match_length_class():
     rates = st.stats.by_drafter["two_kinds"].rates
     assert rates[5] > 0.95 and rates[1] < 0.5  # (short ones are then only probed now and then)
     assert max(emitted[-20:]) >= 6  # long drafts accepted whole
+
+
+def test_speedup_ceiling():
+    from ultrafast.speculative import speedup_ceiling
+
+    # each extra row costs 0.5 of a step, and 2 from 5 rows on: the best is 4 tokens for 2.5 steps
+    r = [0.0, 1.0, 1.5, 2.0, 2.5, 4.5, 6.5]
+    assert speedup_ceiling(r) == (4 / 2.5, 3)
+    assert speedup_ceiling([0.0, 1.0, 2.0]) == (1.0, 1) or speedup_ceiling([0.0, 1.0, 2.0])[0] == 1.0

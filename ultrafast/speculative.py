@@ -64,6 +64,12 @@ class SpecStats:
                 "drafters": {k: v.to_json() for k, v in self.by_drafter.items()}}
 
 
+def speedup_ceiling(r: list[float]) -> tuple[float, int]:
+    """The speedup over plain decoding if every draft were accepted, at the measured verify cost: the best
+    (k + 1) / r(k + 1) over k, and that k. No drafter can beat it; on a CPU it is set by the multiply rate."""
+    return max(((k + 1) / r[k + 1], k) for k in range(len(r) - 1))
+
+
 def match_class(n: int) -> int:
     """Match lengths 1, 2-3, 4-7, 8-15, 16+ -> classes 1..5; 0: not a lookup (no match length)."""
     return min(5, max(0, int(n)).bit_length())

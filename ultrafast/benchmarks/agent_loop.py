@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from ..sampler import SamplingParams
+from . import ceiling_line
 
 SYSTEM = ("You are a coding agent. You edit the user's file as asked and reply with the complete updated file "
           "in one ```python block, nothing else.")
@@ -90,7 +91,7 @@ def main(args) -> int:
     fast = run_agent_loop(engine, iterations=args.iterations, max_tokens=args.max_tokens, tier="ultrafast",
                           drafters=drafters)
     print(f"agent loop on {engine.loaded.path.name}: {args.iterations} edits of one file, greedy, {args.threads} "
-          f"threads, drafters {','.join(drafters or engine.default_drafters)}")
+          f"threads, {args.activation_bits}-bit activations, drafters {','.join(drafters or engine.default_drafters)}")
     print(f"{'iter':>4}{'tokens':>8}{'standard':>10}{'ultrafast':>11}{'speedup':>9}{'tau':>7}  same output")
     exact = True
     for i, (a, b) in enumerate(zip(std, fast)):
@@ -102,4 +103,5 @@ def main(args) -> int:
     ts, tf = sum(a.decode_s for a in std), sum(b.decode_s for b in fast)
     print(f"total: standard {n / ts:.1f} tok/s, ultrafast {n / tf:.1f} tok/s, speedup {ts / tf:.2f}x; "
           f"identical outputs: {'yes' if exact else 'NO'}")
+    print(ceiling_line(engine.r_table))
     return 0 if exact else 1

@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..sampler import SamplingParams
+from . import ceiling_line
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
@@ -151,8 +152,10 @@ def main(args) -> int:
     llama = None if args.no_llama_cpp else (lambda: _llama_runner(path, args.threads, args.max_context))
     table, summary = run_spec_bench(engine, questions, max_tokens=args.max_tokens, drafters=drafters, llama=llama)
     title = (f"Spec-Bench on {path.name}: {len(questions)} first turns, greedy, {args.max_tokens} new tokens, "
-             f"batch 1, {args.threads} threads, drafters {','.join(drafters or engine.default_drafters)}; decode tok/s")
+             f"batch 1, {args.threads} threads, {args.activation_bits}-bit activations, drafters "
+             f"{','.join(drafters or engine.default_drafters)}; decode tok/s")
     print(format_table(table, summary, title))
+    print(ceiling_line(engine.r_table))
     if args.json:
         Path(args.json).write_text(json.dumps({"table": table, "summary": summary}, indent=2))
     return 0 if summary["exact"] else 1
