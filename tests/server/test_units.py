@@ -504,3 +504,16 @@ def test_standard_steps_are_batched(tmp_path):
     assert eng.batches == [3, 3, 3, 3]
     assert [e for e in eng.log if e[0] == 4].count((4, "own")) == 4
     assert not any(e[1] == "own" for e in eng.log if e[0] != 4)
+
+
+def test_worker_builds_its_engine_with_the_activation_bits(tmp_path, smollm_path):
+    """`serve --activation-bits 8` reaches the engine the worker loads (both tiers share it)."""
+    import ultrafast.kernels as uk
+
+    if not uk.vnni_supported():
+        pytest.skip("8-bit activations need the AVX512-VNNI kernels")
+    db = Database(tmp_path / "s.db").init()
+    w = ModelWorker("smollm2-135m", smollm_path, max_context=256, metrics=ServerMetrics(process=False),
+                    ledger=LedgerWriter(db), prices=PriceTable.builtin(), limiter=RateLimiter(), warmup=False,
+                    activation_bits=8)
+    assert w._load().kernels_in_use().endswith("vnni-int8")

@@ -56,6 +56,7 @@ class ServerConfig:
     device: str | None = None
     warmup: bool = True
     threads: int | None = None  # torch/OpenMP threads per model worker (default: torch's)
+    activation_bits: int = 16  # inside the quantized linears: 16 or 8 (Engine.from_path)
     engine_factories: dict = field(default_factory=dict)  # name -> callable returning an Engine (tests)
 
     @property
@@ -88,7 +89,7 @@ class Server:
                               max_queue=config.max_queue, ultrafast_weight=config.ultrafast_weight,
                               metrics=self.metrics, ledger=self.ledger, prices=self.prices, limiter=self.limiter,
                               device=config.device, warmup=config.warmup, threads=config.threads,
-                              engine_factory=config.engine_factories.get(name))
+                              activation_bits=config.activation_bits, engine_factory=config.engine_factories.get(name))
             for name, path in config.models}
 
     def start(self) -> None:

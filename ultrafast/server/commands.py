@@ -35,6 +35,9 @@ def add_commands(sub) -> None:
     s.add_argument("--ultrafast-weight", type=int, default=4,
                    help="steps an ultrafast request advances per scheduling round to a standard one's 1 (default 4)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    s.add_argument("--activation-bits", type=int, choices=[16, 8], default=16,
+                   help="activations inside the quantized linears: 16 (default) or 8 (llama.cpp's precision: "
+                        "faster prefill and verification, outputs move slightly); both tiers use it")
     s.add_argument("--threads", type=int, default=None,
                    help="compute threads per model (default: torch's, one per core); fewer than the cores leaves "
                         "room for the HTTP side")
@@ -98,7 +101,7 @@ def cmd_serve(args) -> int:
                           prices=args.prices, slots=args.slots, max_queue=args.max_queue,
                           max_context=args.max_context, max_body_bytes=args.max_body,
                           ultrafast_weight=args.ultrafast_weight, device=args.device, warmup=not args.no_warmup,
-                          threads=args.threads)
+                          threads=args.threads, activation_bits=args.activation_bits)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     srv = app.state.server

@@ -138,7 +138,7 @@ class ModelWorker:
     def __init__(self, name: str, path, *, max_context: int | None = None, slots: int = 4, max_queue: int = 64,
                  ultrafast_weight: int = 4, metrics: ServerMetrics, ledger: LedgerWriter, prices: PriceTable,
                  limiter: RateLimiter, device: str | None = None, warmup: bool = True, threads: int | None = None,
-                 engine_factory: Callable[[], Any] | None = None):
+                 activation_bits: int = 16, engine_factory: Callable[[], Any] | None = None):
         if slots < 1:
             raise ValueError("--slots must be at least 1")
         if max_queue < 1:
@@ -148,6 +148,7 @@ class ModelWorker:
         self.ultrafast_weight = max(1, ultrafast_weight)
         self.metrics, self.ledger, self.prices, self.limiter = metrics, ledger, prices, limiter
         self.device, self.warmup, self.threads = device, warmup, threads
+        self.activation_bits = activation_bits
         self._engine_factory = engine_factory
         self.engine = None
         self.logprobs_supported = False
@@ -218,7 +219,8 @@ class ModelWorker:
             return self._engine_factory()
         from ..engine import Engine
 
-        return Engine.from_path(self.path, max_context=self.max_context, device=self.device)
+        return Engine.from_path(self.path, max_context=self.max_context, device=self.device,
+                                activation_bits=self.activation_bits)
 
     def _main(self) -> None:
         try:
