@@ -11,8 +11,10 @@ drafts lie beyond the new position and are overwritten before anything attends t
 The adaptive policy picks k per pass from the drafter's recent per-token acceptance rate a and the
 measured cost r(n) of an n-row forward relative to a 1-row one: expected tokens per pass
 (1 + a + ... + a^k) divided by the pass's cost r(k+1) + c*k, c being what the drafter spends per drafted
-token in target 1-token forwards (0 for lookups; measured for a draft model). When no k > 0 beats a plain step it decodes plainly, probing
-again now and then, so the tier is never meaningfully slower than standard.
+token in target 1-token forwards (0 for lookups; measured for a draft model). Lookups are asked first (they
+are free) and their a is kept per match-length class of the proposal (`match_class`): a long match in a
+re-sent file earns long drafts however the one-token matches fare. When no k > 0 beats a plain step it
+decodes plainly, probing again now and then, so the tier is never meaningfully slower than standard.
 """
 
 from __future__ import annotations
@@ -111,7 +113,6 @@ class SpeculativeStepper:
         self.max_k = min(max_k, len(r) - 2)
         self.stats = SpecStats(by_drafter={d.name: DrafterStats() for d in drafters})
         self._plain_run = 0
-        self._cls = 0  # match class of the drafts in flight
 
     def begin(self, prompt_ids: list[int]) -> None:
         for d in self.drafters:
@@ -139,8 +140,8 @@ class SpeculativeStepper:
 
     def _draft(self, sampler, limit: int):
         """Ask drafters in order of recent acceptance; take the first that proposes something worth verifying.
-        Returns (drafter, drafts, q): q, the draft distributions, only for drafts sampled from one (a draft
-        model at temperature > 0), else None."""
+        Returns (drafter, drafts, q, match class): q, the draft distributions, only for drafts sampled from
+        one (a draft model at temperature > 0), else None; the match class 0 for a drafter that is no lookup."""
         context = sampler.history
         params = getattr(sampler, "params", None)
         sampling = params is not None and not params.greedy
@@ -157,10 +158,8 @@ class SpeculativeStepper:
                 if k == 0 and self._plain_run >= self.probe_interval():
                     k = 1
                 if k > 0:
-                    self._cls = cls
-                    return d, drafts[:k], None
+                    return d, drafts[:k], None, cls
                 continue
-            self._cls = 0
             k = self._best_k(st.rate, limit, cost)
             # probe again after a run of plain steps: one token, as rarely as its cost asks (where a second
             # row costs half a step, the 1.5B here, every 17 steps); a drafter that costs forwards even less often
@@ -171,16 +170,16 @@ class SpeculativeStepper:
             if sampling and hasattr(d, "propose_sampled"):
                 drafts, q = d.propose_sampled(context, k, sampler)
                 if drafts:
-                    return d, drafts[:k], q[:k]
+                    return d, drafts[:k], q[:k], 0
             else:
                 drafts = d.propose(context, k)[:k]
                 if drafts:
-                    return d, drafts, None
-        return None, [], None
+                    return d, drafts, None, 0
+        return None, [], None, 0
 
     def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
         """Emit the tokens after `tok` (at `pos`); `limit` bounds how many this pass may produce."""
-        drafter, drafts, q = self._draft(sampler, min(self.max_k, limit - 1)) if limit > 1 else (None, [], None)
+        drafter, drafts, q, cls = self._draft(sampler, min(self.max_k, limit - 1)) if limit > 1 else (None, [], None, 0)
         logits = self.engine._forward([tok] + drafts, pos, all_logits=bool(drafts), cache=self.cache)
         out = verify_point_mass(logits, drafts, sampler) if q is None else verify_sampled(logits, drafts, q, sampler)
         self.stats.verify_passes += 1
@@ -191,8 +190,6 @@ class SpeculativeStepper:
             self._plain_run += 1
         else:
             self._plain_run = 0
-            # accepted drafts: with sampled drafts a rejected position's token may equal its draft by chance,
-            # so count the walk's length, not matches
             accepted = len(out) - 1
             st = self.stats.by_drafter[drafter.name]
             st.passes += 1
@@ -200,8 +197,7 @@ class SpeculativeStepper:
             st.accepted += accepted
             trials = accepted + (1 if accepted < len(drafts) else 0)
             st.rate = (1 - self.EMA) * st.rate + self.EMA * (accepted / trials)
-            old = st.rates.get(self._cls, DrafterStats.rate)
-            st.rates[self._cls] = (1 - self.EMA) * old + self.EMA * (accepted / trials)
+            st.rates[cls] = (1 - self.EMA) * st.rates.get(cls, DrafterStats.rate) + self.EMA * (accepted / trials)
         return out
 
 
