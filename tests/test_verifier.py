@@ -25,18 +25,24 @@ def _logits(p):
     return torch.log(p).float()  # -inf where p = 0: softmax gives p back
 
 
+def _draft3(sampler, dist):
+    """3 drafts sampled from the rows of dist (through the request's transform) and their distributions."""
+    drafts, qs = [], []
+    for j in range(3):
+        tok, q = sampler.draft_sample(_logits(dist[j]), [0] + drafts)
+        drafts.append(tok)
+        qs.append(q)
+    return drafts, torch.stack(qs)
+
+
 def _run(n, seed):
     """n verifications of 3 drafts sampled from Q: the emitted tokens, by index in the output."""
     by_index = [Counter() for _ in range(4)]
     accepted = 0
     for t in range(n):
         sampler = Sampler(SamplingParams(temperature=1.0, seed=seed * 100003 + t), [0])
-        drafts, qs = [], []
-        for j in range(3):
-            tok, q = sampler.draft_sample(_logits(Q[j]), [0] + drafts)
-            drafts.append(tok)
-            qs.append(q)
-        out = verify_sampled(_logits(P), drafts, torch.stack(qs), sampler)
+        drafts, qs = _draft3(sampler, Q)
+        out = verify_sampled(_logits(P), drafts, qs, sampler)
         assert 1 <= len(out) <= 4 and out == sampler.history[1:]
         accepted += len(out) - 1
         for j, tok in enumerate(out):
@@ -72,12 +78,8 @@ def test_speculative_sampling_gives_the_targets_distribution():
 def test_identical_draft_is_always_accepted():
     """q = p accepts every draft (acceptance min(1, p/q) = 1) and emits the bonus token."""
     sampler = Sampler(SamplingParams(temperature=1.0, seed=5), [0])
-    drafts, qs = [], []
-    for j in range(3):
-        tok, q = sampler.draft_sample(_logits(P[j]), [0] + drafts)
-        drafts.append(tok)
-        qs.append(q)
-    out = verify_sampled(_logits(P), drafts, torch.stack(qs), sampler)
+    drafts, qs = _draft3(sampler, P)
+    out = verify_sampled(_logits(P), drafts, qs, sampler)
     assert out[:3] == drafts and len(out) == 4
 
 
