@@ -52,14 +52,15 @@ def spec_engine(smollm_path):
     # SmolLM2 has no smaller sibling: a second copy of itself stands in as the draft model (it tests the
     # mechanics: cache sync, rollback, acceptance); the Qwen 0.5B -> 1.5B pair is measured by the benchmark
     engine.attach_draft_model(Engine.from_path(smollm_path, max_context=2048, device="cpu"))
-    # a draft as costly as the target never pays, and the policy rightly stops asking it; pretend it is cheap
-    # so that these tests exercise its mechanics (cache sync, rollback, acceptance)
-    engine.draft_cost = 0.05
+    # a draft as costly as the target never pays, and the policy rightly stops asking it; pretend it (and
+    # self-speculation) is cheap so that these tests exercise their mechanics (cache sync, rollback, acceptance)
+    engine.draft_cost = engine.self_spec_cost = 0.05
     return engine
 
 
-@pytest.mark.parametrize("drafters", [["prompt_lookup"], ["suffix"], ["draft_model"],
-                                      ["suffix", "prompt_lookup", "draft_model"]], ids=lambda d: "+".join(d))
+@pytest.mark.parametrize("drafters", [["prompt_lookup"], ["suffix"], ["draft_model"], ["self_spec"],
+                                      ["suffix", "prompt_lookup", "draft_model", "self_spec"]],
+                         ids=lambda d: "+".join(d))
 def test_greedy_ultrafast_equals_standard_on_spec_bench(spec_engine, drafters):
     prompts = spec_bench_sample(1)
     taus = []

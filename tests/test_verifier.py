@@ -101,17 +101,18 @@ def test_point_mass_walk_is_greedy_prefix_plus_bonus():
     assert verify_point_mass(logits, [3, 1, 4], s) == [3, 1, 4, 2]
 
 
-def test_draft_model_sampling_keeps_the_distribution(tmp_path):
-    """A draft model with other weights than the target's (so its q differs from p) samples drafts at
-    temperature 0.35: the third token's distribution over many seeds equals the standard tier's (chi-square at
-    0.001), and the draft model's drafts were both accepted and rejected on the way."""
+@pytest.mark.parametrize("drafter", ["draft_model", "self_spec"])
+def test_draft_model_sampling_keeps_the_distribution(tmp_path, drafter):
+    """A draft model with other weights than the target's, or the target with a layer skipped (so q differs
+    from p), samples drafts at temperature 0.35: the third token's distribution over many seeds equals the
+    standard tier's (chi-square at 0.001), and the drafts were both accepted and rejected on the way."""
     from scipy.stats import chi2_contingency
 
     write_tiny_gguf(tmp_path / "target.gguf", qtype=0, seed=3)
     write_tiny_gguf(tmp_path / "draft.gguf", qtype=0, seed=4)
     engine = Engine.from_path(tmp_path / "target.gguf", max_context=128, device="cpu", packed=True)
     engine.attach_draft_model(Engine.from_path(tmp_path / "draft.gguf", max_context=128, device="cpu", packed=True))
-    engine.draft_cost = 0.02  # tiny models: make the policy keep asking the draft model
+    engine.draft_cost = engine.self_spec_cost = 0.02  # tiny models: make the policy keep asking the drafter
     prompt, n_seeds, first = [5, 9, 20, 5, 9], 600, 2
 
     def third_tokens(**tier):
@@ -120,13 +121,13 @@ def test_draft_model_sampling_keeps_the_distribution(tmp_path):
             r = engine.generate(prompt, SamplingParams(temperature=0.35, seed=seed, max_tokens=3, ignore_eos=True),
                                 **tier)
             out.append(tuple(r.token_ids))
-            d = r.spec.get("drafters", {}).get("draft_model")
+            d = r.spec.get("drafters", {}).get(drafter)
             if d:
                 drafted, accepted = drafted + d["drafted"], accepted + d["accepted"]
         return out, drafted, accepted
 
     std, _, _ = third_tokens()
-    ultra, drafted, accepted = third_tokens(tier="ultrafast", drafters=["draft_model"])
+    ultra, drafted, accepted = third_tokens(tier="ultrafast", drafters=[drafter])
     assert 0 < accepted < drafted
     prefix = Counter(t[:first] for t in std).most_common(1)[0][0]
 

@@ -25,6 +25,11 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 ACT_BITS_HELP = ("precision of the activations inside the quantized linears: 16 (default) or 8 (llama.cpp's; "
                  "about twice the multiply rate in prefill and verification, outputs move slightly)")
 
+DRAFTERS_HELP = ("ultrafast drafters, comma-separated from prompt_lookup,suffix,draft_model,self_spec "
+                 "(default: suffix,prompt_lookup, plus draft_model with --draft-model)")
+SELF_SPEC_HELP = ("the target layers the self_spec drafter runs, e.g. 0-8,18-27 (default: all but the middle "
+                  "third)")
+
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -36,9 +41,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tier", choices=["standard", "ultrafast"], default="standard",
                    help="standard: plain decoding; ultrafast: lossless speculative decoding (same output)")
     p.add_argument("--drafters", default=None,
-                   help="ultrafast drafters, comma-separated from prompt_lookup,suffix,draft_model "
-                        "(default: suffix,prompt_lookup, plus draft_model with --draft-model)")
+                   help=DRAFTERS_HELP)
     p.add_argument("--draft-model", default=None, help="a smaller model sharing the tokenizer (name or path)")
+    p.add_argument("--self-spec-layers", default=None, help=SELF_SPEC_HELP)
 
 
 def _params(args, max_tokens: int | None = None):
@@ -57,7 +62,8 @@ def _load_engine(args):
     path = resolve_model(args.model)  # a first pull is not load time
     t0 = time.perf_counter()
     engine = Engine.from_model(str(path), max_context=args.max_context, device=args.device,
-                               draft_model=args.draft_model, activation_bits=args.activation_bits)
+                               draft_model=args.draft_model, activation_bits=args.activation_bits,
+                               self_spec_layers=args.self_spec_layers)
     info = engine.describe()
     print(f"loaded {path.name} in {time.perf_counter() - t0:.1f}s: {info['layers']} layers, "
           f"weights {info['weight_bytes_held'] / 1e6:.0f} MB held for {info['file_tensor_bytes'] / 1e6:.0f} MB in "
@@ -213,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("specbench", help="Spec-Bench in both tiers: speedup, tau, exactness")
     s.add_argument("--model", default=DEFAULT_MODEL)
     s.add_argument("--draft-model", default=None)
-    s.add_argument("--drafters", default=None)
+    s.add_argument("--drafters", default=None, help=DRAFTERS_HELP)
+    s.add_argument("--self-spec-layers", default=None, help=SELF_SPEC_HELP)
     s.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default ../shared/data/spec_bench)")
     s.add_argument("--per-category", type=int, default=5, help="questions per category (default 5)")
     s.add_argument("--all", action="store_true", help="all 480 questions")
@@ -228,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("agentbench", help="an agent loop editing one file: what prompt lookup and suffix decoding earn")
     s.add_argument("--model", default=DEFAULT_MODEL)
     s.add_argument("--draft-model", default=None)
-    s.add_argument("--drafters", default=None)
+    s.add_argument("--drafters", default=None, help=DRAFTERS_HELP)
+    s.add_argument("--self-spec-layers", default=None, help=SELF_SPEC_HELP)
     s.add_argument("--iterations", type=int, default=6)
     s.add_argument("--max-tokens", type=int, default=512)
     s.add_argument("--threads", type=int, default=2)

@@ -11,6 +11,7 @@ import torch
 
 from . import kernels
 from .drafters import build_drafters
+from .drafters.self_spec import default_layers, parse_layers
 from .drafters.suffix import SuffixCache
 from .generation import Generation, GenerationResult, StreamEvent  # noqa: F401 (re-exported)
 from .kv_cache import KVCache
@@ -42,6 +43,13 @@ class Engine:
         self.draft_engine: "Engine | None" = None
         self.draft_cost = 0.5
         self.default_drafters = ["suffix", "prompt_lookup"]
+        self.self_spec_layers = default_layers(self.config.n_layers)  # the self_spec drafter's layers
+        self.self_spec_cost: float | None = None  # its forward in target forwards, measured on first use
+
+    def use_self_spec_layers(self, text: str) -> None:
+        """Which layers the self_spec drafter runs, e.g. '0-8,18-27' (`--self-spec-layers`)."""
+        self.self_spec_layers = parse_layers(text, self.config.n_layers)
+        self.self_spec_cost = None
 
     def attach_draft_model(self, draft: "Engine") -> None:
         if draft.tokenizer.vocab_size > self.config.vocab_size + 1024 or \
@@ -71,9 +79,11 @@ class Engine:
 
     @classmethod
     def from_model(cls, model: str, *, max_context: int | None = None, device: str | None = None,
-                   draft_model: str | None = None, activation_bits: int = 16) -> "Engine":
+                   draft_model: str | None = None, activation_bits: int = 16,
+                   self_spec_layers: str | None = None) -> "Engine":
         """A `--model` argument (a registered name, pulled on first use, or a path), with an optional draft
-        model that shares its tokenizer (`--draft-model`)."""
+        model that shares its tokenizer (`--draft-model`) and the self_spec drafter's layers
+        (`--self-spec-layers`)."""
         from .pull import resolve_model
 
         engine = cls.from_path(resolve_model(model), max_context=max_context, device=device,
@@ -81,6 +91,8 @@ class Engine:
         if draft_model:
             engine.attach_draft_model(cls.from_path(resolve_model(draft_model), max_context=engine.max_context,
                                                     device=device, activation_bits=activation_bits))
+        if self_spec_layers:
+            engine.use_self_spec_layers(self_spec_layers)
         return engine
 
     def describe(self) -> dict:
@@ -126,9 +138,9 @@ class Engine:
         return KVCache(self.config, self.max_context, device=self.device)
 
     def _forward(self, tokens: list[int], start_pos: int, all_logits: bool = False,
-                 cache: KVCache | None = None) -> torch.Tensor:
+                 cache: KVCache | None = None, layers: list[int] | None = None) -> torch.Tensor:
         t = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.model(t, start_pos, cache or self.cache, all_logits=all_logits)
+        return self.model(t, start_pos, cache or self.cache, all_logits=all_logits, layers=layers)
 
     def forward_batch(self, seqs: list[tuple[list[int], int, KVCache]]) -> torch.Tensor:
         """Continuous batching: one pass for several sequences, each (new tokens, start position, its cache).
@@ -159,8 +171,11 @@ class Engine:
         if self.r_table is None:
             self.r_table = measure_r(self)
         names = drafters or self.default_drafters
+        if "self_spec" in names and self.self_spec_cost is None:
+            self.self_spec_cost = _step_time(self, self.self_spec_layers) / _step_time(self)
         objs = build_drafters(names, suffix_cache=self.suffix_cache, draft_engine=self.draft_engine,
-                              draft_cost=self.draft_cost)
+                              draft_cost=self.draft_cost, target=self, cache=cache,
+                              self_spec_cost=self.self_spec_cost)
         return SpeculativeStepper(self, cache, objs, self.r_table)
 
     def start(self, prompt_ids: list[int], params: SamplingParams, *, tier: str = "standard",
@@ -195,13 +210,13 @@ class Engine:
                 return done.value
 
 
-def _step_time(engine: "Engine", reps: int = 5) -> float:
-    """Median time of a 1-token forward (in a scratch cache)."""
+def _step_time(engine: "Engine", layers: list[int] | None = None, reps: int = 5) -> float:
+    """Median time of a 1-token forward (in a scratch cache), through `layers` only if given."""
     cache = engine.new_cache()
     engine._forward(list(range(16)), 0, cache=cache)
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        engine._forward([1], 16, cache=cache)
+        engine._forward([1], 16, cache=cache, layers=layers)
         times.append(time.perf_counter() - t)
     return sorted(times)[reps // 2]

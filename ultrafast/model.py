@@ -132,14 +132,16 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
-        """tokens: [T] int64 at positions start_pos.. -> logits [T, vocab] (all_logits) or [1, vocab] (last)."""
-        logits = self.forward_multi(tokens, [start_pos], [tokens.shape[0]], [cache], all_logits)
-        return logits
+    def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache, all_logits: bool = False,
+                layers: list[int] | None = None) -> torch.Tensor:
+        """tokens: [T] int64 at positions start_pos.. -> logits [T, vocab] (all_logits) or [1, vocab] (last).
+        layers: run only these decoder layers, in order, then the final norm and head (self-speculation's
+        draft: the model with some layers skipped); their KV rows are written, the others' left alone."""
+        return self.forward_multi(tokens, [start_pos], [tokens.shape[0]], [cache], all_logits, layers)
 
     @torch.inference_mode()
     def forward_multi(self, tokens: torch.Tensor, starts: list[int], lens: list[int], caches: list[KVCache],
-                      all_logits: bool = False) -> torch.Tensor:
+                      all_logits: bool = False, layers: list[int] | None = None) -> torch.Tensor:
         """Several sequences in one pass (continuous batching): tokens holds lens[s] rows of sequence s at
         positions starts[s].., each with its own cache. Returns logits of every row (all_logits) or of each
         sequence's last row [n_sequences, vocab]. Rows never influence each other's values."""
@@ -150,7 +152,8 @@ class Transformer(nn.Module):
             positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(tokens.device)
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = self.tok_embeddings(tokens)
-        for i, layer in enumerate(self.layers):
+        for i in range(len(self.layers)) if layers is None else layers:
+            layer = self.layers[i]
             segments = [(s, n, c.k_layers[i], c.v_layers[i]) for s, n, c in zip(starts, lens, caches)]
             x = layer(x, cos, sin, segments)
         if not all_logits:

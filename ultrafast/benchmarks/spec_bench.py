@@ -144,6 +144,7 @@ def main(args) -> int:
 
     torch.set_num_threads(args.threads)
     engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model,
+                               self_spec_layers=args.self_spec_layers,
                                activation_bits=args.activation_bits)
     path = engine.loaded.path
     drafters = args.drafters.split(",") if args.drafters else None

@@ -26,10 +26,16 @@ class Drafter(Protocol):
         """The request is over; `context` is its prompt and full output."""
 
 
-def build_drafters(names: list, *, suffix_cache=None, draft_engine=None, draft_cost: float = 0.5) -> list[Drafter]:
-    """Drafters by name (prompt_lookup, suffix, draft_model); Drafter objects pass through."""
+KNOWN = ("prompt_lookup", "suffix", "draft_model", "self_spec")
+
+
+def build_drafters(names: list, *, suffix_cache=None, draft_engine=None, draft_cost: float = 0.5,
+                   target=None, cache=None, self_spec_cost: float = 0.75) -> list[Drafter]:
+    """Drafters by name (prompt_lookup, suffix, draft_model, self_spec); Drafter objects pass through.
+    self_spec needs the target engine and the request's KV cache, which it shares."""
     from .draft_model import DraftModelDrafter
     from .prompt_lookup import PromptLookupDrafter
+    from .self_spec import SelfSpecDrafter
     from .suffix import SuffixCache, SuffixDrafter
 
     out: list[Drafter] = []
@@ -44,6 +50,10 @@ def build_drafters(names: list, *, suffix_cache=None, draft_engine=None, draft_c
             if draft_engine is None:
                 raise ValueError("the draft_model drafter needs a draft model (--draft-model)")
             out.append(DraftModelDrafter(draft_engine, draft_cost))
+        elif name == "self_spec":
+            if target is None or cache is None:
+                raise ValueError("the self_spec drafter needs the target engine and its KV cache")
+            out.append(SelfSpecDrafter(target, cache, target.self_spec_layers, self_spec_cost))
         else:
-            raise ValueError(f"unknown drafter {name!r}; known: prompt_lookup, suffix, draft_model")
+            raise ValueError(f"unknown drafter {name!r}; known: {', '.join(KNOWN)}")
     return out
