@@ -242,3 +242,14 @@ def test_speedup_ceiling():
     r = [0.0, 1.0, 1.5, 2.0, 2.5, 4.5, 6.5]
     assert speedup_ceiling(r) == (4 / 2.5, 3)
     assert speedup_ceiling([0.0, 1.0, 2.0])[0] == 1.0  # a second row as dear as a step: nothing to gain
+
+
+def test_expected_speedup():
+    from ultrafast.speculative import expected_speedup
+
+    flat = [0.0] + [1.0] * 9  # r(1..9) = 1: verification free per row
+    assert expected_speedup(1.0, flat) == (9.0, 8)  # always right, free: the longest draft r allows
+    gain, k = expected_speedup(0.5, [0.0, 1.0, 1.5, 2.0, 2.5], draft_cost=0.0)
+    assert (gain, k) == (max(1.5 / 1.5, 1.75 / 2.0, 1.875 / 2.5), 1)
+    assert expected_speedup(0.9, flat, draft_cost=0.5, limit=2)[1] <= 2
+    assert expected_speedup(0.0, flat, draft_cost=0.7)[0] < 1.0  # never right: the policy would not draft

@@ -66,6 +66,18 @@ class SpecStats:
                 "drafters": {k: v.to_json() for k, v in self.by_drafter.items()}}
 
 
+def expected_speedup(rate: float, r: list[float], draft_cost: float = 0.0, limit: int | None = None) -> tuple[float, int]:
+    """The best expected speedup over plain decoding of drafting k >= 1 tokens (k up to limit), and that k,
+    for a drafter whose drafts are each accepted with probability `rate` and cost `draft_cost` target
+    1-token forwards: expected tokens per pass 1 + rate + ... + rate^k over the pass's cost
+    r(k+1) + draft_cost * k. Below 1, the policy would not draft."""
+    best, expected = (0.0, 0), 1.0
+    for k in range(1, (len(r) - 2 if limit is None else limit) + 1):
+        expected += rate ** k
+        best = max(best, (expected / (r[k + 1] + draft_cost * k), k))
+    return best
+
+
 def speedup_ceiling(r: list[float]) -> tuple[float, int]:
     """The speedup over plain decoding if every draft were accepted, at the measured verify cost: the best
     (k + 1) / r(k + 1) over k, and that k. No drafter can beat it; on a CPU it is set by the multiply rate."""
