@@ -8,3 +8,21 @@ def ceiling_line(r: list[float]) -> str:
     best, k = speedup_ceiling(r)
     return (f"ceiling if every draft were accepted: {best:.2f}x (k = {k}; verify cost r(k) "
             + " ".join(f"r({n})={r[n]:.2f}" for n in (2, 4, 8, 16) if n < len(r)) + ")")
+
+
+def sum_drafters(specs: list[dict]) -> dict[str, dict[str, int]]:
+    """Passes, drafted and accepted tokens per drafter, summed over generations' `spec` reports."""
+    out: dict[str, dict[str, int]] = {}
+    for spec in specs:
+        for name, d in spec.get("drafters", {}).items():
+            acc = out.setdefault(name, {"passes": 0, "drafted": 0, "accepted": 0})
+            for key in acc:
+                acc[key] += d[key]
+    return out
+
+
+def drafters_line(by_drafter: dict[str, dict[str, int]]) -> str:
+    return "drafters: " + "; ".join(
+        f"{k} {d['accepted']}/{d['drafted']} drafts accepted"
+        + (f" ({d['accepted'] / d['drafted']:.0%})" if d["drafted"] else "") + f" in {d['passes']} passes"
+        for k, d in by_drafter.items())

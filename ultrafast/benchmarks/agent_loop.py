@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from ..sampler import SamplingParams
-from . import ceiling_line
+from . import ceiling_line, drafters_line, sum_drafters
 
 SYSTEM = ("You are a coding agent. You edit the user's file as asked and reply with the complete updated file "
           "in one ```python block, nothing else.")
@@ -104,5 +104,6 @@ def main(args) -> int:
     ts, tf = sum(a.decode_s for a in std), sum(b.decode_s for b in fast)
     print(f"total: standard {n / ts:.1f} tok/s, ultrafast {n / tf:.1f} tok/s, speedup {ts / tf:.2f}x; "
           f"identical outputs: {'yes' if exact else 'NO'}")
+    print(drafters_line(sum_drafters([b.spec for b in fast])))
     print(ceiling_line(engine.r_table))
     return 0 if exact else 1

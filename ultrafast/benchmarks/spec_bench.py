@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..sampler import SamplingParams
-from . import ceiling_line
+from . import ceiling_line, drafters_line, sum_drafters
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
@@ -72,6 +72,7 @@ def run_spec_bench(engine, questions, *, max_tokens: int = 128, drafters=None, l
     """llama: a callable that builds the llama.cpp runner; it runs after ours, so that its thread pool (which
     spins while idle) never shares the cores with our measurements."""
     rows = defaultdict(lambda: defaultdict(float))
+    specs = []  # the ultrafast runs' reports
     mismatches, prompts = [], []
     for i, (cat, text) in enumerate(questions):
         ids = engine.chat_prompt([{"role": "user", "content": text}])
@@ -91,6 +92,7 @@ def run_spec_bench(engine, questions, *, max_tokens: int = 128, drafters=None, l
         r["passes"] += fast.spec["verify_passes"]
         r["emitted"] += fast.spec["verify_passes"] * fast.spec["tau"]
         r["rk"] += fast.spec.get("mean_r", 1.0) * fast.spec["verify_passes"]
+        specs.append(fast.spec)
         prompts.append((cat, ids))
         if progress:
             print(f"[{i + 1}/{len(questions)}] {cat}: standard {std.decode_tokens_per_s:.1f} tok/s, ultrafast "
@@ -120,7 +122,8 @@ def run_spec_bench(engine, questions, *, max_tokens: int = 128, drafters=None, l
     speedups = [v["speedup"] for v in table.values()]
     summary = {"mean_speedup": sum(speedups) / len(speedups), "min_speedup": min(speedups),
                "mean_tau": sum(v["tau"] for v in table.values()) / len(table),
-               "exact": not mismatches, "mismatches": mismatches}
+               "exact": not mismatches, "mismatches": mismatches,
+               "drafters": sum_drafters(specs)}
     return table, summary
 
 
@@ -134,6 +137,8 @@ def format_table(table, summary, title) -> str:
     lines.append(f"mean speedup {summary['mean_speedup']:.2f}x, lowest {summary['min_speedup']:.2f}x, mean tau "
                  f"{summary['mean_tau']:.2f}; ultrafast output identical to standard: "
                  f"{'yes' if summary['exact'] else 'NO: ' + str(len(summary['mismatches'])) + ' prompts differ'}")
+    if summary.get("drafters"):
+        lines.append(drafters_line(summary["drafters"]))
     return "\n".join(lines)
 
 

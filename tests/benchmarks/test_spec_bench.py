@@ -1,0 +1,17 @@
+"""`specbench`'s measurement on two questions: both tiers, exactness, per-drafter acceptance in the table."""
+
+from ultrafast.benchmarks.spec_bench import format_table, run_spec_bench
+
+
+def test_spec_bench_table(smollm_engine):
+    questions = [("qa", "Repeat after me: the quick brown fox jumps over the lazy dog."),
+                 ("translation", "Translate to French: good morning, my friend.")]
+    table, summary = run_spec_bench(smollm_engine, questions, max_tokens=24, drafters=["prompt_lookup", "suffix"],
+                                    progress=None)
+    assert list(table) == ["translation", "qa"] and summary["exact"]
+    assert all(v["questions"] == 1 and v["tau"] >= 1.0 and v["standard_tok_s"] > 0 for v in table.values())
+    d = summary["drafters"]
+    assert set(d) == {"prompt_lookup", "suffix"}
+    assert all(0 <= v["accepted"] <= v["drafted"] for v in d.values()) and sum(v["passes"] for v in d.values()) > 0
+    text = format_table(table, summary, "t")
+    assert "drafters: " in text and "prompt_lookup" in text and "identical to standard: yes" in text
