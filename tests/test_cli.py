@@ -53,3 +53,20 @@ def test_chat_streams_and_keeps_going(smollm_path):
     p = run("chat", "--model", str(smollm_path), "--max-tokens", "6", input="Hello\nAnd again\n\n")
     assert p.returncode == 0, p.stderr
     assert p.stderr.count("tokens at") == 2  # one report per answer
+
+
+def test_self_spec_options(smollm_path):
+    p = run("generate", "--model", str(smollm_path), "--prompt", "Name a colour.", "--max-tokens", "8", "--json",
+            "--tier", "ultrafast", "--drafters", "self_spec", "--self-spec-layers", "0-3,20-29")
+    assert p.returncode == 0, p.stderr
+    assert "self_spec" in json.loads(p.stdout)["drafters"]
+    p = run("generate", "--model", str(smollm_path), "--prompt", "x", "--self-spec-layers", "0-99")
+    assert p.returncode == 2 and "self-speculation layers" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_serve_refuses_bad_drafter_options_before_loading(smollm_path):
+    for extra, msg in ((["--drafters", "suffix,nope"], "unknown drafter"),
+                       (["--drafters", "draft_model"], "needs --draft-model"),
+                       (["--draft-model", str(smollm_path), "--model", str(smollm_path)], "exactly one --model")):
+        p = run("serve", "--model", str(smollm_path), "--port", "1", *extra)
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -517,3 +517,17 @@ def test_worker_builds_its_engine_with_the_activation_bits(tmp_path, smollm_path
                     ledger=LedgerWriter(db), prices=PriceTable.builtin(), limiter=RateLimiter(), warmup=False,
                     activation_bits=8)
     assert w._load().kernels_in_use().endswith("vnni-int8")
+
+
+def test_worker_builds_its_engine_with_the_drafters(tmp_path, smollm_path):
+    """`serve --draft-model M --drafters ... --self-spec-layers ...` reach the engine the worker loads: its
+    ultrafast requests draft with those drafters."""
+    db = Database(tmp_path / "s.db").init()
+    w = ModelWorker("smollm2-135m", smollm_path, max_context=256, metrics=ServerMetrics(process=False),
+                    ledger=LedgerWriter(db), prices=PriceTable.builtin(), limiter=RateLimiter(), warmup=False,
+                    drafters=["self_spec", "draft_model"], draft_model=smollm_path, self_spec_layers="0-3,25-29")
+    engine = w._load()
+    assert engine.default_drafters == ["self_spec", "draft_model"] and engine.draft_engine is not None
+    assert engine.self_spec_layers == [0, 1, 2, 3, 25, 26, 27, 28, 29]
+    stepper = engine.stepper("ultrafast")
+    assert [d.name for d in stepper.drafters] == ["self_spec", "draft_model"]

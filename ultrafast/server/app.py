@@ -57,6 +57,9 @@ class ServerConfig:
     warmup: bool = True
     threads: int | None = None  # torch/OpenMP threads per model worker (default: torch's)
     activation_bits: int = 16  # inside the quantized linears: 16 or 8 (Engine.from_path)
+    drafters: list[str] | None = None  # the ultrafast tier's drafters (default: the engine's)
+    draft_model: Any = None  # path of a draft model for the (one) model served
+    self_spec_layers: str | None = None  # the self_spec drafter's layers, e.g. "0-8,18-27"
     engine_factories: dict = field(default_factory=dict)  # name -> callable returning an Engine (tests)
 
     @property
@@ -89,7 +92,9 @@ class Server:
                               max_queue=config.max_queue, ultrafast_weight=config.ultrafast_weight,
                               metrics=self.metrics, ledger=self.ledger, prices=self.prices, limiter=self.limiter,
                               device=config.device, warmup=config.warmup, threads=config.threads,
-                              activation_bits=config.activation_bits, engine_factory=config.engine_factories.get(name))
+                              activation_bits=config.activation_bits, drafters=config.drafters,
+                              draft_model=config.draft_model, self_spec_layers=config.self_spec_layers,
+                              engine_factory=config.engine_factories.get(name))
             for name, path in config.models}
 
     def start(self) -> None:

@@ -41,6 +41,12 @@ def add_commands(sub) -> None:
     s.add_argument("--threads", type=int, default=None,
                    help="compute threads per model (default: torch's, one per core); fewer than the cores leaves "
                         "room for the HTTP side")
+    s.add_argument("--drafters", default=None,
+                   help="the ultrafast tier's drafters, comma-separated from prompt_lookup,suffix,draft_model,"
+                        "self_spec (default: suffix,prompt_lookup, plus draft_model with --draft-model)")
+    s.add_argument("--draft-model", default=None,
+                   help="a smaller model sharing the tokenizer, drafting for the (one) --model: name or path")
+    s.add_argument("--self-spec-layers", default=None, help="the self_spec drafter's layers, e.g. 0-8,18-27")
     s.add_argument("--no-warmup", action="store_true", help="skip measuring r(k) for the ultrafast tier at start")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=cmd_serve)
@@ -93,15 +99,27 @@ def cmd_serve(args) -> int:
     from ..pull import resolve_model
     from .app import ServerConfig, create_app, model_name
 
+    from ..drafters import KNOWN
+
     models = []
     for m in args.model or [DEFAULT_MODEL]:
         path = resolve_model(m)
         models.append((model_name(m), path))
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()] if args.drafters else None
+    unknown = [d for d in drafters or [] if d not in KNOWN]
+    if unknown:
+        raise ValueError(f"unknown drafter(s) {unknown}; known: {', '.join(KNOWN)}")
+    if args.draft_model and len(models) != 1:
+        raise ValueError("--draft-model drafts for one model: serve exactly one --model with it")
+    if drafters is not None and "draft_model" in drafters and not args.draft_model:
+        raise ValueError("the draft_model drafter needs --draft-model")
     config = ServerConfig(models=models, host=args.host, port=args.port, db=args.db, require_keys=args.require_keys,
                           prices=args.prices, slots=args.slots, max_queue=args.max_queue,
                           max_context=args.max_context, max_body_bytes=args.max_body,
                           ultrafast_weight=args.ultrafast_weight, device=args.device, warmup=not args.no_warmup,
-                          threads=args.threads, activation_bits=args.activation_bits)
+                          threads=args.threads, activation_bits=args.activation_bits, drafters=drafters,
+                          draft_model=resolve_model(args.draft_model) if args.draft_model else None,
+                          self_spec_layers=args.self_spec_layers)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     srv = app.state.server

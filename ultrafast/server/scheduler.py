@@ -138,7 +138,8 @@ class ModelWorker:
     def __init__(self, name: str, path, *, max_context: int | None = None, slots: int = 4, max_queue: int = 64,
                  ultrafast_weight: int = 4, metrics: ServerMetrics, ledger: LedgerWriter, prices: PriceTable,
                  limiter: RateLimiter, device: str | None = None, warmup: bool = True, threads: int | None = None,
-                 activation_bits: int = 16, engine_factory: Callable[[], Any] | None = None):
+                 activation_bits: int = 16, drafters: list[str] | None = None, draft_model=None,
+                 self_spec_layers: str | None = None, engine_factory: Callable[[], Any] | None = None):
         if slots < 1:
             raise ValueError("--slots must be at least 1")
         if max_queue < 1:
@@ -149,6 +150,7 @@ class ModelWorker:
         self.metrics, self.ledger, self.prices, self.limiter = metrics, ledger, prices, limiter
         self.device, self.warmup, self.threads = device, warmup, threads
         self.activation_bits = activation_bits
+        self.drafters, self.draft_model, self.self_spec_layers = drafters, draft_model, self_spec_layers
         self._engine_factory = engine_factory
         self.engine = None
         self.logprobs_supported = False
@@ -219,8 +221,16 @@ class ModelWorker:
             return self._engine_factory()
         from ..engine import Engine
 
-        return Engine.from_path(self.path, max_context=self.max_context, device=self.device,
-                                activation_bits=self.activation_bits)
+        engine = Engine.from_path(self.path, max_context=self.max_context, device=self.device,
+                                  activation_bits=self.activation_bits)
+        if self.draft_model is not None:
+            engine.attach_draft_model(Engine.from_path(self.draft_model, max_context=engine.max_context,
+                                                       device=self.device, activation_bits=self.activation_bits))
+        if self.self_spec_layers:
+            engine.use_self_spec_layers(self.self_spec_layers)
+        if self.drafters:
+            engine.default_drafters = list(self.drafters)  # what every ultrafast request here drafts with
+        return engine
 
     def _main(self) -> None:
         try:
