@@ -253,3 +253,47 @@ def test_expected_speedup():
     assert (gain, k) == (max(1.5 / 1.5, 1.75 / 2.0, 1.875 / 2.5), 1)
     assert expected_speedup(0.9, flat, draft_cost=0.5, limit=2)[1] <= 2
     assert expected_speedup(0.0, flat, draft_cost=0.7)[0] < 1.0  # never right: the policy would not draft
+
+
+class _Empty(_WrongDrafter):
+    name = "empty"
+
+    def propose(self, context, k):
+        return []
+
+
+def test_fixed_k_drafts_every_pass_with_the_drafters_taking_turns():
+    from ultrafast.speculative import SpeculativeStepper
+
+    r = [0.0, 1.0] + [1.0 + 0.4 * (k - 1) for k in range(2, 18)]
+    two = _TwoKindsDrafter()
+    st = SpeculativeStepper(_ArgmaxEngine(), None, [_WrongDrafter(), _Empty(), two], r, fixed_k=3)
+    sampler = _Greedy()
+    for pos in range(10):
+        st.step(1, pos, sampler, 64)
+    by = st.stats.by_drafter
+    # no policy: the wrong drafter keeps its turns, the empty one passes its turn on
+    assert by["wrong"].passes == 5 and by["two_kinds"].passes == 5 and by["empty"].passes == 0
+    assert by["wrong"].drafted == 15 and st.stats.plain_steps == 0
+    assert st.step(1, 10, sampler, 2) and by["wrong"].drafted + by["two_kinds"].drafted == 31  # limit - 1 drafts
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="fixed draft length"):
+            SpeculativeStepper(_ArgmaxEngine(), None, [two], r, fixed_k=bad)
+
+
+def test_fixed_k_with_every_drafter_equals_standard(spec_engine):
+    """Every pass drafts (4 drafters in turn, the draft model a second copy of the target): still the
+    standard tier's tokens."""
+    spec_engine.fixed_draft_k = 4
+    try:
+        for text in spec_bench_sample(1)[:4]:
+            ids = spec_engine.chat_prompt([{"role": "user", "content": text}])
+            std = spec_engine.generate(ids, SamplingParams(max_tokens=64))
+            fast = spec_engine.generate(ids, SamplingParams(max_tokens=64), tier="ultrafast",
+                                        drafters=["suffix", "prompt_lookup", "self_spec", "draft_model"])
+            assert fast.token_ids == std.token_ids, text[:80]
+            d = fast.spec["drafters"]
+            assert fast.spec["plain_steps"] <= 1  # (the last pass, with one token left to emit)
+            assert d["self_spec"]["passes"] > 0 and d["draft_model"]["passes"] > 0  # (lookups: when they match)
+    finally:
+        spec_engine.fixed_draft_k = None

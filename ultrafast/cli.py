@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default ../shared/data/spec_bench)")
     s.add_argument("--per-category", type=int, default=5, help="questions per category (default 5)")
     s.add_argument("--all", action="store_true", help="all 480 questions")
+    s.add_argument("--fixed-k", type=int, default=None,
+                   help="no adaptive policy: every pass drafts K tokens, the drafters taking turns (an exactness "
+                        "check that exercises every drafter; slower)")
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--max-context", type=int, default=4096)

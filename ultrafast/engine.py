@@ -45,6 +45,7 @@ class Engine:
         self.default_drafters = ["suffix", "prompt_lookup"]
         self.self_spec_layers = default_layers(self.config.n_layers)  # the self_spec drafter's layers
         self.self_spec_cost: float | None = None  # its forward in target forwards, measured on first use
+        self.fixed_draft_k: int | None = None  # set: no policy, every pass drafts this many (exactness checks)
 
     def use_self_spec_layers(self, text: str) -> None:
         """Which layers the self_spec drafter runs, e.g. '0-8,18-27' (`--self-spec-layers`)."""
@@ -176,7 +177,7 @@ class Engine:
         objs = build_drafters(names, suffix_cache=self.suffix_cache, draft_engine=self.draft_engine,
                               draft_cost=self.draft_cost, target=self, cache=cache,
                               self_spec_cost=self.self_spec_cost)
-        return SpeculativeStepper(self, cache, objs, self.r_table)
+        return SpeculativeStepper(self, cache, objs, self.r_table, fixed_k=self.fixed_draft_k)
 
     def start(self, prompt_ids: list[int], params: SamplingParams, *, tier: str = "standard",
               drafters: list[str] | None = None, cache: KVCache | None = None) -> Generation:

@@ -118,11 +118,16 @@ class SpeculativeStepper:
     PROBE_EVERY = 8  # plain steps in a row before trying a one-token draft again (at least)
     PROBE_BUDGET = 0.03  # ... and no sooner than the probe's extra cost stays within this share of those steps
 
-    def __init__(self, engine, cache, drafters: list, r: list[float], max_k: int = 16):
+    def __init__(self, engine, cache, drafters: list, r: list[float], max_k: int = 16, fixed_k: int | None = None):
         if not drafters:
             raise ValueError("the ultrafast tier needs at least one drafter")
+        if fixed_k is not None and not 1 <= fixed_k <= len(r) - 2:
+            raise ValueError(f"fixed draft length must be in 1..{len(r) - 2}, got {fixed_k}")
         self.engine, self.cache, self.drafters, self.r = engine, cache, drafters, r
         self.max_k = min(max_k, len(r) - 2)
+        # fixed_k: no policy; every pass drafts fixed_k tokens, the drafters taking turns (an exactness check
+        # that exercises every drafter and every rollback, `specbench --fixed-k`; slower than the policy)
+        self.fixed_k, self._turn = fixed_k, 0
         self.stats = SpecStats(by_drafter={d.name: DrafterStats() for d in drafters})
         self._plain_run = 0
 
@@ -157,6 +162,8 @@ class SpeculativeStepper:
         context = sampler.history
         params = getattr(sampler, "params", None)
         sampling = params is not None and not params.greedy
+        if self.fixed_k is not None:
+            return self._draft_fixed(context, sampler, sampling, min(self.fixed_k, limit))
         order = sorted(self.drafters, key=lambda d: -self.stats.by_drafter[d.name].rate)
         for d in order:
             st = self.stats.by_drafter[d.name]
@@ -187,6 +194,22 @@ class SpeculativeStepper:
                 drafts = d.propose(context, k)[:k]
                 if drafts:
                     return d, drafts, None, 0
+        return None, [], None, 0
+
+    def _draft_fixed(self, context, sampler, sampling: bool, k: int):
+        """k drafts from the drafter whose turn it is (or the next that proposes any)."""
+        n = len(self.drafters)
+        for i in range(n):
+            d = self.drafters[(self._turn + i) % n]
+            if sampling and hasattr(d, "propose_sampled"):
+                drafts, q = d.propose_sampled(context, k, sampler)
+                drafts, q = drafts[:k], q[:k]
+            else:
+                drafts, q = d.propose(context, k)[:k], None
+            if drafts:
+                self._turn = (self._turn + i + 1) % n
+                return d, drafts, q, match_class(getattr(d, "match_len", 0))
+        self._turn = (self._turn + 1) % n
         return None, [], None, 0
 
     def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
@@ -225,6 +248,22 @@ class PlainStepper:
 
     def end(self, context):
         pass
+
+    def _draft_fixed(self, context, sampler, sampling: bool, k: int):
+        """k drafts from the drafter whose turn it is (or the next that proposes any)."""
+        n = len(self.drafters)
+        for i in range(n):
+            d = self.drafters[(self._turn + i) % n]
+            if sampling and hasattr(d, "propose_sampled"):
+                drafts, q = d.propose_sampled(context, k, sampler)
+                drafts, q = drafts[:k], q[:k]
+            else:
+                drafts, q = d.propose(context, k)[:k], None
+            if drafts:
+                self._turn = (self._turn + i + 1) % n
+                return d, drafts, q, match_class(getattr(d, "match_len", 0))
+        self._turn = (self._turn + 1) % n
+        return None, [], None, 0
 
     def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
         logits = self.engine._forward([tok], pos, cache=self.cache)

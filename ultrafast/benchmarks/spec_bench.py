@@ -151,6 +151,7 @@ def main(args) -> int:
     engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model,
                                self_spec_layers=args.self_spec_layers,
                                activation_bits=args.activation_bits)
+    engine.fixed_draft_k = args.fixed_k
     path = engine.loaded.path
     drafters = args.drafters.split(",") if args.drafters else None
     questions = load_questions(Path(args.questions) if args.questions else default_questions_path(),
@@ -159,7 +160,9 @@ def main(args) -> int:
     table, summary = run_spec_bench(engine, questions, max_tokens=args.max_tokens, drafters=drafters, llama=llama)
     title = (f"Spec-Bench on {path.name}: {len(questions)} first turns, greedy, {args.max_tokens} new tokens, "
              f"batch 1, {args.threads} threads, {args.activation_bits}-bit activations, drafters "
-             f"{','.join(drafters or engine.default_drafters)}; decode tok/s")
+             f"{','.join(drafters or engine.default_drafters)}"
+             + (f", fixed k = {args.fixed_k} (no policy: an exactness check)" if args.fixed_k else "")
+             + "; decode tok/s")
     print(format_table(table, summary, title))
     print(ceiling_line(engine.r_table))
     if args.json:
