@@ -96,10 +96,9 @@ def cmd_serve(args) -> int:
 
     import uvicorn
 
+    from ..drafters import KNOWN
     from ..pull import resolve_model
     from .app import ServerConfig, create_app, model_name
-
-    from ..drafters import KNOWN
 
     models = []
     for m in args.model or [DEFAULT_MODEL]:
