@@ -79,6 +79,7 @@ def test_tiny_models_k_invariant_for_every_packed_type(tmp_path, qtype, arch):
     ref = Engine.from_path(path, max_context=128, device="cpu", packed=False)
     ids = list(range(3, 40))
     check_invariance(engine, ids[:21], ids[21:])
+    assert engine.batch_invariant and not ref.batch_invariant and engine.describe()["batch_invariant"]
     # the packed kernels agree with the fp32 reference path built from the same file (the bitwise checks
     # above are the same for every kernel path; only this closeness tolerance depends on the path: the
     # VNNI path rounds activations to int16 per block of 32, <= ~3e-5 of sum|x*w| per linear; measured on

@@ -70,6 +70,9 @@ def _load_engine(args):
           f"the file, {info['weight_bytes_per_token'] / 1e6:.0f} MB read per token; KV cache "
           f"{info['max_context']} tokens = {info['kv_cache_bytes'] / 1e6:.0f} MB; {info['device']}",
           file=sys.stderr)
+    if getattr(args, "tier", None) == "ultrafast" and not info["batch_invariant"]:
+        print("warning: these kernels are not batch-invariant (PyTorch's own ops): the ultrafast tier's tokens "
+              "equal the standard tier's only up to rounding, where a near-tie may flip", file=sys.stderr)
     return engine
 
 

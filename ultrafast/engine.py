@@ -110,7 +110,16 @@ class Engine:
             "kv_cache_bytes": self.cache.nbytes,
             "device": str(self.device),
             "kernels": self.kernels_in_use(),
+            "batch_invariant": self.batch_invariant,
         }
+
+    @property
+    def batch_invariant(self) -> bool:
+        """k-token forwards bit-identical to 1-token ones (packed kernels): the ultrafast tier then emits
+        exactly the standard tier's tokens. Otherwise only up to rounding (a near-tie may flip)."""
+        from .packed import batch_invariant
+
+        return batch_invariant(self.model)
 
     def kernels_in_use(self) -> str:
         from .packed import FusedBlock, PackedLinear

@@ -130,3 +130,11 @@ def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16
             if FusedBlock.fusable(block):
                 model.layers[i] = FusedBlock(block)
     return model
+
+
+def batch_invariant(model: nn.Module) -> bool:
+    """Whether every row of a forward is computed the same whatever rows come with it: true when no plain
+    PyTorch linear, norm or attention is left (all are the packed kernels). The ultrafast tier's promise of
+    the standard tier's very tokens rests on it; PyTorch's own ops (the reference path, CUDA for now) may
+    round a k-row pass differently from a 1-row one."""
+    return not any(isinstance(m, (nn.Linear, RMSNorm, AttentionCore)) for m in model.modules())
