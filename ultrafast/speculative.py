@@ -249,22 +249,6 @@ class PlainStepper:
     def end(self, context):
         pass
 
-    def _draft_fixed(self, context, sampler, sampling: bool, k: int):
-        """k drafts from the drafter whose turn it is (or the next that proposes any)."""
-        n = len(self.drafters)
-        for i in range(n):
-            d = self.drafters[(self._turn + i) % n]
-            if sampling and hasattr(d, "propose_sampled"):
-                drafts, q = d.propose_sampled(context, k, sampler)
-                drafts, q = drafts[:k], q[:k]
-            else:
-                drafts, q = d.propose(context, k)[:k], None
-            if drafts:
-                self._turn = (self._turn + i + 1) % n
-                return d, drafts, q, match_class(getattr(d, "match_len", 0))
-        self._turn = (self._turn + 1) % n
-        return None, [], None, 0
-
     def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
         logits = self.engine._forward([tok], pos, cache=self.cache)
         self.stats.record_plain()
