@@ -55,6 +55,7 @@ def spec_engine(smollm_path):
     # a draft as costly as the target never pays, and the policy rightly stops asking it; pretend it (and
     # self-speculation) is cheap so that these tests exercise their mechanics (cache sync, rollback, acceptance)
     engine.draft_cost = engine.self_spec_cost = 0.05
+    engine.draft_feed_cost = 0.0  # (and its catch-up on each prompt free)
     return engine
 
 
@@ -297,3 +298,39 @@ def test_fixed_k_with_every_drafter_equals_standard(spec_engine):
             assert d["self_spec"]["passes"] > 0 and d["draft_model"]["passes"] > 0  # (lookups: when they match)
     finally:
         spec_engine.fixed_draft_k = None
+
+
+class _CostlyRight:
+    """A draft model stand-in: always right (argmax 1), one forward per token, and a catch-up to pay."""
+    name = "costly"
+    cost_per_token = 0.05
+
+    def __init__(self, catch_up):
+        self.catch_up = catch_up
+
+    def begin(self, prompt_ids):
+        pass
+
+    def catch_up_cost(self, context):
+        return self.catch_up
+
+    def propose(self, context, k):
+        return [1] * k
+
+    def end(self, context):
+        pass
+
+
+def test_catch_up_cost_is_charged():
+    """A drafter that must first feed a long prompt (100 steps' worth) is not asked, nor probed within 200
+    steps; the same drafter in step with the context drafts from the first pass."""
+    from ultrafast.speculative import SpeculativeStepper
+
+    r = [0.0, 1.0] + [1.0 + 0.4 * (k - 1) for k in range(2, 18)]
+    for catch_up, used in ((100.0, False), (0.0, True)):
+        st = SpeculativeStepper(_ArgmaxEngine(), None, [_CostlyRight(catch_up)], r)
+        sampler = _Greedy()
+        for pos in range(200):
+            st.step(1, pos, sampler, 64)
+        assert (st.stats.by_drafter["costly"].passes > 0) == used
+        assert st.probe_interval(0.05, catch_up) > 200 or used

@@ -113,6 +113,7 @@ def test_draft_model_sampling_keeps_the_distribution(tmp_path, drafter):
     engine = Engine.from_path(tmp_path / "target.gguf", max_context=128, device="cpu", packed=True)
     engine.attach_draft_model(Engine.from_path(tmp_path / "draft.gguf", max_context=128, device="cpu", packed=True))
     engine.draft_cost = engine.self_spec_cost = 0.02  # tiny models: make the policy keep asking the drafter
+    engine.draft_feed_cost = 0.0
     prompt, n_seeds, first = [5, 9, 20, 5, 9], 600, 2
 
     def third_tokens(**tier):

@@ -42,6 +42,7 @@ class Engine:
         self.suffix_cache = SuffixCache()  # earlier requests' tokens, for suffix decoding
         self.draft_engine: "Engine | None" = None
         self.draft_cost = 0.5
+        self.draft_feed_cost = 0.0  # a token the draft model feeds while catching up, in target forwards
         self.default_drafters = ["suffix", "prompt_lookup"]
         self.self_spec_layers = default_layers(self.config.n_layers)  # the self_spec drafter's layers
         self.self_spec_cost: float | None = None  # its forward in target forwards, measured on first use
@@ -57,7 +58,9 @@ class Engine:
                 draft.tokenizer.encode("def f(x):\n    return x") != self.tokenizer.encode("def f(x):\n    return x"):
             raise ValueError("the draft model must share the target's tokenizer")
         self.draft_engine = draft
-        self.draft_cost = _step_time(draft) / _step_time(self)  # a draft forward in target forwards
+        step = _step_time(self)
+        self.draft_cost = _step_time(draft) / step  # a draft forward in target forwards
+        self.draft_feed_cost = _feed_time(draft) / step  # a token of the draft's catch-up, in the same unit
         self.default_drafters = ["suffix", "prompt_lookup", "draft_model"]
 
     @classmethod
@@ -184,7 +187,8 @@ class Engine:
         if "self_spec" in names and self.self_spec_cost is None:
             self.self_spec_cost = _step_time(self, self.self_spec_layers) / _step_time(self)
         objs = build_drafters(names, suffix_cache=self.suffix_cache, draft_engine=self.draft_engine,
-                              draft_cost=self.draft_cost, target=self, cache=cache,
+                              draft_cost=self.draft_cost, draft_feed_cost=self.draft_feed_cost,
+                              target=self, cache=cache,
                               self_spec_cost=self.self_spec_cost)
         return SpeculativeStepper(self, cache, objs, self.r_table, fixed_k=self.fixed_draft_k)
 
@@ -230,3 +234,14 @@ def _step_time(engine: "Engine", layers: list[int] | None = None, reps: int = 5)
         engine._forward([1], 16, cache=cache, layers=layers)
         times.append(time.perf_counter() - t)
     return sorted(times)[reps // 2]
+
+
+def _feed_time(engine: "Engine", n: int = 64, reps: int = 3) -> float:
+    """Time per token of an n-token forward (a draft model catching up on a prompt), median of reps."""
+    cache = engine.new_cache()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        engine._forward(list(range(n)), 0, cache=cache)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[reps // 2] / n

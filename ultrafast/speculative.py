@@ -139,20 +139,22 @@ class SpeculativeStepper:
         for d in self.drafters:
             d.end(context)
 
-    def _best_k(self, rate: float, limit: int, draft_cost: float = 0.0) -> int:
+    def _best_k(self, rate: float, limit: int, draft_cost: float = 0.0, fixed_cost: float = 0.0) -> int:
         """k maximising expected tokens per unit of cost; 0 (a plain step) unless some k beats it by 2%.
-        draft_cost: the drafter's cost per drafted token, in target 1-token forwards (0 for lookups)."""
+        draft_cost: the drafter's cost per drafted token, in target 1-token forwards (0 for lookups);
+        fixed_cost: what it must spend before drafting at all (a draft model catching up on the context)."""
         best_k, best_gain, expected = 0, 1.0, 1.0
         for k in range(1, limit + 1):
             expected += rate ** k
-            gain = expected / (self.r[k + 1] + draft_cost * k)
+            gain = expected / (self.r[k + 1] + draft_cost * k + fixed_cost)
             if gain > best_gain * 1.02:
                 best_k, best_gain = k, gain
         return best_k
 
-    def probe_interval(self, draft_cost: float = 0.0) -> int:
-        """Plain steps between probes: a probe costs r(2) - 1 more than a plain step (plus the draft)."""
-        extra = self.r[2] - 1 + draft_cost
+    def probe_interval(self, draft_cost: float = 0.0, fixed_cost: float = 0.0) -> int:
+        """Plain steps between probes: a probe costs r(2) - 1 more than a plain step (plus the draft and its
+        catch-up)."""
+        extra = self.r[2] - 1 + draft_cost + fixed_cost
         return max(self.PROBE_EVERY * (1 + int(16 * draft_cost)), math.ceil(extra / self.PROBE_BUDGET))
 
     def _draft(self, sampler, limit: int):
@@ -179,10 +181,12 @@ class SpeculativeStepper:
                 if k > 0:
                     return d, drafts[:k], None, cls
                 continue
-            k = self._best_k(st.rate, limit, cost)
+            # a draft model first feeds what its cache lacks (the whole prompt, the first time): charged too
+            catch_up = d.catch_up_cost(context) if hasattr(d, "catch_up_cost") else 0.0
+            k = self._best_k(st.rate, limit, cost, catch_up)
             # probe again after a run of plain steps: one token, as rarely as its cost asks (where a second
             # row costs half a step, the 1.5B here, every 17 steps); a drafter that costs forwards even less often
-            if k == 0 and self._plain_run >= self.probe_interval(cost):
+            if k == 0 and self._plain_run >= self.probe_interval(cost, catch_up):
                 k = 1
             if k == 0:
                 continue

@@ -12,7 +12,8 @@ from typing import Protocol
 
 class Drafter(Protocol):
     name: str
-    # optional: cost_per_token (draft forwards, in target 1-token forwards; 0 if absent: a lookup) and, for
+    # optional: cost_per_token (draft forwards, in target 1-token forwards; 0 if absent: a lookup),
+    # catch_up_cost(context) (what it spends before its first draft, e.g. feeding a prompt) and, for
     # lookups, match_len (how many context tokens the last proposal matched: the policy keeps acceptance
     # per match-length class)
 
@@ -30,7 +31,8 @@ KNOWN = ("prompt_lookup", "suffix", "draft_model", "self_spec")
 
 
 def build_drafters(names: list, *, suffix_cache=None, draft_engine=None, draft_cost: float = 0.5,
-                   target=None, cache=None, self_spec_cost: float = 0.75) -> list[Drafter]:
+                   draft_feed_cost: float = 0.0, target=None, cache=None,
+                   self_spec_cost: float = 0.75) -> list[Drafter]:
     """Drafters by name (prompt_lookup, suffix, draft_model, self_spec); Drafter objects pass through.
     self_spec needs the target engine and the request's KV cache, which it shares."""
     from .draft_model import DraftModelDrafter
@@ -49,7 +51,7 @@ def build_drafters(names: list, *, suffix_cache=None, draft_engine=None, draft_c
         elif name == "draft_model":
             if draft_engine is None:
                 raise ValueError("the draft_model drafter needs a draft model (--draft-model)")
-            out.append(DraftModelDrafter(draft_engine, draft_cost))
+            out.append(DraftModelDrafter(draft_engine, draft_cost, draft_feed_cost))
         elif name == "self_spec":
             if target is None or cache is None:
                 raise ValueError("the self_spec drafter needs the target engine and its KV cache")

@@ -11,9 +11,10 @@ import torch
 class DraftModelDrafter:
     name = "draft_model"
 
-    def __init__(self, engine, cost_per_token: float = 0.5):
+    def __init__(self, engine, cost_per_token: float = 0.5, feed_cost: float = 0.0):
         self.engine = engine
         self.cost_per_token = cost_per_token  # one draft forward, in target 1-token forwards
+        self.feed_cost = feed_cost  # one token fed in a batch (catching up), in target 1-token forwards
         self.fed: list[int] = []  # tokens whose KV the draft model's cache holds, in order
 
     def begin(self, prompt_ids: list[int]) -> None:
@@ -21,16 +22,24 @@ class DraftModelDrafter:
             raise ValueError("prompt too long for the draft model's context")
         self.fed = []
 
-    def _run(self, context: list[int], k: int, pick) -> list[int]:
-        """Feed what the cache lacks, then draft k tokens, each chosen by pick(logits, tokens before it)."""
-        if k <= 0 or len(context) + k >= self.engine.max_context:
-            return []
+    def _common(self, context: list[int]) -> int:
+        """How many leading context tokens the cache holds; at most all but the last (fed to get its logits)."""
         common = 0  # the cache is valid up to the first token where what was fed and the context differ
         for a, b in zip(self.fed, context):
             if a != b:
                 break
             common += 1
-        common = min(common, len(context) - 1)  # always feed at least the last token to get its logits
+        return min(common, len(context) - 1)
+
+    def catch_up_cost(self, context: list[int]) -> float:
+        """What feeding the tokens the cache lacks costs before the first draft, in target 1-token forwards."""
+        return self.feed_cost * (len(context) - 1 - self._common(context))
+
+    def _run(self, context: list[int], k: int, pick) -> list[int]:
+        """Feed what the cache lacks, then draft k tokens, each chosen by pick(logits, tokens before it)."""
+        if k <= 0 or len(context) + k >= self.engine.max_context:
+            return []
+        common = self._common(context)
         logits = self.engine._forward(context[common:], common)[-1]
         self.fed = list(context)
         drafts = []

@@ -46,6 +46,9 @@ class SelfSpecDrafter(DraftModelDrafter):
     def begin(self, prompt_ids: list[int]) -> None:
         pass
 
+    def catch_up_cost(self, context: list[int]) -> float:
+        return 0.0  # the target's cache is always in step
+
     def _run(self, context: list[int], k: int, pick) -> list[int]:
         """context[-1] goes at position len(context) - 1; the cache holds the full model's rows before it."""
         pos = len(context) - 1
