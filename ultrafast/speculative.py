@@ -66,16 +66,21 @@ class SpecStats:
                 "drafters": {k: v.to_json() for k, v in self.by_drafter.items()}}
 
 
-def expected_speedup(rate: float, r: list[float], draft_cost: float = 0.0, limit: int | None = None) -> tuple[float, int]:
-    """The best expected speedup over plain decoding of drafting k >= 1 tokens (k up to limit), and that k,
-    for a drafter whose drafts are each accepted with probability `rate` and cost `draft_cost` target
-    1-token forwards: expected tokens per pass 1 + rate + ... + rate^k over the pass's cost
-    r(k+1) + draft_cost * k. Below 1, the policy would not draft."""
-    best, expected = (0.0, 0), 1.0
-    for k in range(1, (len(r) - 2 if limit is None else limit) + 1):
+def pass_gains(rate: float, r: list[float], limit: int, draft_cost: float = 0.0, fixed_cost: float = 0.0):
+    """(gain, k) for k = 1..limit: a pass drafting k tokens, each accepted with probability `rate`, yields
+    1 + rate + ... + rate^k tokens expected, and costs r(k+1) + draft_cost * k + fixed_cost target 1-token
+    forwards (draft_cost: per drafted token; fixed_cost: spent before drafting at all, e.g. a catch-up);
+    gain is their ratio, the speedup over a plain step."""
+    expected = 1.0
+    for k in range(1, limit + 1):
         expected += rate ** k
-        best = max(best, (expected / (r[k + 1] + draft_cost * k), k))
-    return best
+        yield expected / (r[k + 1] + draft_cost * k + fixed_cost), k
+
+
+def expected_speedup(rate: float, r: list[float], draft_cost: float = 0.0, limit: int | None = None) -> tuple[float, int]:
+    """The best expected speedup over plain decoding of drafting k >= 1 tokens (k up to limit), and that k
+    (`pass_gains`). Below 1, the policy would not draft."""
+    return max(pass_gains(rate, r, len(r) - 2 if limit is None else limit, draft_cost), default=(0.0, 0))
 
 
 def speedup_ceiling(r: list[float]) -> tuple[float, int]:
@@ -143,10 +148,8 @@ class SpeculativeStepper:
         """k maximising expected tokens per unit of cost; 0 (a plain step) unless some k beats it by 2%.
         draft_cost: the drafter's cost per drafted token, in target 1-token forwards (0 for lookups);
         fixed_cost: what it must spend before drafting at all (a draft model catching up on the context)."""
-        best_k, best_gain, expected = 0, 1.0, 1.0
-        for k in range(1, limit + 1):
-            expected += rate ** k
-            gain = expected / (self.r[k + 1] + draft_cost * k + fixed_cost)
+        best_k, best_gain = 0, 1.0
+        for gain, k in pass_gains(rate, self.r, limit, draft_cost, fixed_cost):
             if gain > best_gain * 1.02:
                 best_k, best_gain = k, gain
         return best_k
@@ -190,14 +193,9 @@ class SpeculativeStepper:
                 k = 1
             if k == 0:
                 continue
-            if sampling and hasattr(d, "propose_sampled"):
-                drafts, q = d.propose_sampled(context, k, sampler)
-                if drafts:
-                    return d, drafts[:k], q[:k], 0
-            else:
-                drafts = d.propose(context, k)[:k]
-                if drafts:
-                    return d, drafts, None, 0
+            drafts, q = _propose(d, context, k, sampler, sampling)
+            if drafts:
+                return d, drafts, q, 0
         return None, [], None, 0
 
     def _draft_fixed(self, context, sampler, sampling: bool, k: int):
@@ -205,11 +203,7 @@ class SpeculativeStepper:
         n = len(self.drafters)
         for i in range(n):
             d = self.drafters[(self._turn + i) % n]
-            if sampling and hasattr(d, "propose_sampled"):
-                drafts, q = d.propose_sampled(context, k, sampler)
-                drafts, q = drafts[:k], q[:k]
-            else:
-                drafts, q = d.propose(context, k)[:k], None
+            drafts, q = _propose(d, context, k, sampler, sampling)
             if drafts:
                 self._turn = (self._turn + i + 1) % n
                 return d, drafts, q, match_class(getattr(d, "match_len", 0))
@@ -238,6 +232,15 @@ class SpeculativeStepper:
             st.rate = (1 - self.EMA) * st.rate + self.EMA * (accepted / trials)
             st.rates[cls] = (1 - self.EMA) * st.rates.get(cls, DrafterStats.rate) + self.EMA * (accepted / trials)
         return out
+
+
+def _propose(d, context: list[int], k: int, sampler, sampling: bool):
+    """Up to k drafts from d and their distributions q: sampled from d's own distribution for a sampled
+    request when d can (a draft model), else point-mass proposals (q None)."""
+    if sampling and hasattr(d, "propose_sampled"):
+        drafts, q = d.propose_sampled(context, k, sampler)
+        return drafts[:k], q[:k]
+    return d.propose(context, k)[:k], None
 
 
 class PlainStepper:
