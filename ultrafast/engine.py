@@ -60,7 +60,8 @@ class Engine:
         self.draft_engine = draft
         step = _step_time(self)
         self.draft_cost = _step_time(draft) / step  # a draft forward in target forwards
-        self.draft_feed_cost = _feed_time(draft) / step  # a token of the draft's catch-up, in the same unit
+        # a token of the draft's catch-up (fed 64 at a time, as a prompt is), in the same unit
+        self.draft_feed_cost = _step_time(draft, tokens=64, reps=3) / 64 / step
         self.default_drafters = ["suffix", "prompt_lookup", "draft_model"]
 
     @classmethod
@@ -224,24 +225,14 @@ class Engine:
                 return done.value
 
 
-def _step_time(engine: "Engine", layers: list[int] | None = None, reps: int = 5) -> float:
-    """Median time of a 1-token forward (in a scratch cache), through `layers` only if given."""
+def _step_time(engine: "Engine", layers: list[int] | None = None, reps: int = 5, tokens: int = 1) -> float:
+    """Median time of a forward of `tokens` tokens after 16 (in a scratch cache), through `layers` only if
+    given."""
     cache = engine.new_cache()
     engine._forward(list(range(16)), 0, cache=cache)
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        engine._forward([1], 16, cache=cache, layers=layers)
+        engine._forward(list(range(1, tokens + 1)), 16, cache=cache, layers=layers)
         times.append(time.perf_counter() - t)
     return sorted(times)[reps // 2]
-
-
-def _feed_time(engine: "Engine", n: int = 64, reps: int = 3) -> float:
-    """Time per token of an n-token forward (a draft model catching up on a prompt), median of reps."""
-    cache = engine.new_cache()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        engine._forward(list(range(n)), 0, cache=cache)
-        times.append(time.perf_counter() - t)
-    return sorted(times)[reps // 2] / n
