@@ -85,8 +85,9 @@ def _report(res, stream=sys.stderr) -> None:
 
 
 def _tier(args) -> dict:
-    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()] if args.drafters else None
-    return {"tier": args.tier, "drafters": drafters}
+    from .drafters import parse_drafters
+
+    return {"tier": args.tier, "drafters": parse_drafters(args.drafters)}
 
 
 def _stream_to(engine, ids, params, out, tier: dict) -> object:

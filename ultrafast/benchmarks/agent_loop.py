@@ -81,13 +81,14 @@ def run_agent_loop(engine, *, iterations: int, max_tokens: int, tier: str, draft
 def main(args) -> int:
     import torch
 
+    from ..drafters import parse_drafters
     from ..engine import Engine
 
+    drafters = parse_drafters(args.drafters)  # (an unknown name is an error before loading)
     torch.set_num_threads(args.threads)
     engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model,
                                self_spec_layers=args.self_spec_layers,
                                activation_bits=args.activation_bits)
-    drafters = args.drafters.split(",") if args.drafters else None
     std = run_agent_loop(engine, iterations=args.iterations, max_tokens=args.max_tokens, tier="standard")
     fast = run_agent_loop(engine, iterations=args.iterations, max_tokens=args.max_tokens, tier="ultrafast",
                           drafters=drafters)

@@ -145,15 +145,16 @@ def format_table(table, summary, title) -> str:
 def main(args) -> int:
     import torch
 
+    from ..drafters import parse_drafters
     from ..engine import Engine
 
+    drafters = parse_drafters(args.drafters)  # (an unknown name is an error before loading)
     torch.set_num_threads(args.threads)
     engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model,
                                self_spec_layers=args.self_spec_layers,
                                activation_bits=args.activation_bits)
     engine.fixed_draft_k = args.fixed_k
     path = engine.loaded.path
-    drafters = args.drafters.split(",") if args.drafters else None
     questions = load_questions(Path(args.questions) if args.questions else default_questions_path(),
                                None if args.all else args.per_category)
     llama = None if args.no_llama_cpp else (lambda: _llama_runner(path, args.threads, args.max_context))

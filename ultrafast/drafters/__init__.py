@@ -30,6 +30,17 @@ class Drafter(Protocol):
 KNOWN = ("prompt_lookup", "suffix", "draft_model", "self_spec")
 
 
+def parse_drafters(text: str | None) -> list[str] | None:
+    """A `--drafters` option ('suffix,prompt_lookup') -> names, None if not given; unknown names are errors."""
+    if not text:
+        return None
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    unknown = [d for d in names if d not in KNOWN]
+    if unknown:
+        raise ValueError(f"unknown drafter(s) {unknown}; known: {', '.join(KNOWN)}")
+    return names
+
+
 def build_drafters(names: list, *, suffix_cache=None, draft_engine=None, draft_cost: float = 0.5,
                    draft_feed_cost: float = 0.0, target=None, cache=None,
                    self_spec_cost: float = 0.75) -> list[Drafter]:

@@ -96,7 +96,7 @@ def cmd_serve(args) -> int:
 
     import uvicorn
 
-    from ..drafters import KNOWN
+    from ..drafters import parse_drafters
     from ..pull import resolve_model
     from .app import ServerConfig, create_app, model_name
 
@@ -104,10 +104,7 @@ def cmd_serve(args) -> int:
     for m in args.model or [DEFAULT_MODEL]:
         path = resolve_model(m)
         models.append((model_name(m), path))
-    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()] if args.drafters else None
-    unknown = [d for d in drafters or [] if d not in KNOWN]
-    if unknown:
-        raise ValueError(f"unknown drafter(s) {unknown}; known: {', '.join(KNOWN)}")
+    drafters = parse_drafters(args.drafters)
     if args.draft_model and len(models) != 1:
         raise ValueError("--draft-model drafts for one model: serve exactly one --model with it")
     if drafters is not None and "draft_model" in drafters and not args.draft_model:
