@@ -174,6 +174,13 @@ class Transformer(nn.Module):
         total += emb.raw.shape[1] if hasattr(emb, "raw") else 0
         return total
 
+    def macs_per_token(self, head: bool = True) -> int:
+        """Multiply-adds of the linears for one token (what the matmul kernels multiply; attention's grow with
+        the context and are not counted). head=False leaves out the LM head, which a prefill applies to its
+        last row only."""
+        return sum(m.in_features * m.out_features for m in self.modules()
+                   if hasattr(m, "in_features") and hasattr(m, "out_features") and (head or m is not self.output))
+
     def weight_bytes_held(self) -> int:
         seen, total = set(), 0
         for t in list(self.parameters()) + list(self.buffers()):

@@ -94,13 +94,12 @@ def match_class(n: int) -> int:
     return min(5, max(0, int(n)).bit_length())
 
 
-def measure_r(engine, max_k: int = 16, reps: int = 3, *, prefix: list[int] | None = None,
-              probe: list[int] | None = None, cache=None) -> list[float]:
-    """r[n] = median time of an n-row forward / that of a 1-row forward, for n = 1..max_k+1 (r[0] unused).
+def forward_times(engine, max_k: int = 16, reps: int = 3, *, prefix: list[int] | None = None,
+                  probe: list[int] | None = None, cache=None) -> list[float]:
+    """t[n] = median seconds of an n-row forward (all logits), for n = 1..max_k+1 (t[0] unused).
 
     The rows are probe[:n] (default: token ids 0..n-1) at the position after `prefix` (default: 8 tokens),
-    which is first written into `cache` (default: a scratch cache). The adaptive policy measures it once per
-    engine; `ultrafast bench` measures it after its prompt, with real tokens."""
+    which is first written into `cache` (default: a scratch cache)."""
     prefix = list(range(8)) if prefix is None else prefix
     probe = list(range(max_k + 1)) if probe is None else probe
     if len(probe) < max_k + 1:
@@ -115,6 +114,15 @@ def measure_r(engine, max_k: int = 16, reps: int = 3, *, prefix: list[int] | Non
             engine._forward(probe[:n], len(prefix), all_logits=True, cache=cache)
             ts.append(time.perf_counter() - t)
         times.append(sorted(ts)[len(ts) // 2])
+    return times
+
+
+def measure_r(engine, max_k: int = 16, reps: int = 3, *, prefix: list[int] | None = None,
+              probe: list[int] | None = None, cache=None) -> list[float]:
+    """r[n] = median time of an n-row forward / that of a 1-row forward, for n = 1..max_k+1 (r[0] unused),
+    from `forward_times`. The adaptive policy measures it once per engine; `ultrafast bench` measures it after
+    its prompt, with real tokens."""
+    times = forward_times(engine, max_k, reps, prefix=prefix, probe=probe, cache=cache)
     return [t / times[1] for t in times]
 
 

@@ -17,6 +17,19 @@ def test_bench_report(smollm_path):
     assert r["weight_bytes_held"] <= 1.2 * r["file_tensor_bytes"]
     table = format_table(r)
     assert "decode tok/s" in table and "r(k)" in table
+    mp = r["multiply_peak"]
+    if "vnni" in r["kernels"]:
+        # the physical r(k): the longer of one weight stream and k rows of multiplies at the measured peak
+        t_mem = r["weight_bytes_per_token"] / (r["read_gb_per_s_2_threads"] * 1e9)
+        for k in (1, 2, 3, 4):
+            want = max(t_mem, k * mp["macs_per_token"] / mp["macs_per_s"]) / max(t_mem, mp["macs_per_token"] / mp["macs_per_s"])
+            assert mp["physical_r_k"][k] == pytest.approx(want)
+            assert 0 < mp["pct_of_peak_k"][k] < 100
+        assert mp["physical_r_k"][1] == 1.0 and mp["physical_r_k"][4] >= mp["physical_r_k"][2] >= 1.0
+        assert 0 < mp["pct_of_peak_prefill"] < 100 and mp["macs_per_token_prefill"] < mp["macs_per_token"]
+        assert "physical" in table and "% of peak" in table and "multiply peak" in table
+    else:
+        assert mp is None and "physical" not in table
 
 
 def test_measure_r(smollm_engine):

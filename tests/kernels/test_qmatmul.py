@@ -166,6 +166,10 @@ def test_qmatmul_batch_invariant(path, qtype):
     assert torch.equal(yk, singles[5:12])
     perm = torch.randperm(16, generator=torch.Generator().manual_seed(2))
     assert torch.equal(uk.qmatmul(x[perm], raw, qtype, k_in), singles[perm])
+    # nor a weight row's on the weight rows tiled with it (an odd count leaves a one-row tile at the end;
+    # dropping the first row pairs every row with another neighbour)
+    for k in (1, 4, 8):
+        assert torch.equal(uk.qmatmul(x[:k], raw[1:], qtype, k_in), singles[:k, 1:]), f"k={k}"
     # and not on the thread count
     for k in (1, 16):
         with num_threads(1):
@@ -185,6 +189,32 @@ def test_qmatmul_long_blocks(path, qtype):
     singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, qtype, k_in) for i in range(37)])
     assert torch.equal(y, singles)
     _check_close(y, x, dequant(raw.numpy(), qtype, k_in), qtype=qtype)
+
+
+@pytest.mark.parametrize("qtype", [uk.Q4_K, uk.Q6_K, uk.Q5_0], ids=lambda t: NAMES[t])
+def test_qmatmul_prefill_schedule(path, qtype):
+    # enough rows that their prepared x outgrows L2 (the panelled prefill schedule on the VNNI path): every
+    # row's result still equals the one-row call's (the decode schedule), bit for bit
+    k_in, k = 2560, 100
+    raw = torch.from_numpy(random_weight(qtype, 19, k_in, seed=5))
+    x = torch.randn(k, k_in, generator=torch.Generator().manual_seed(6))
+    y = uk.qmatmul(x, raw, qtype, k_in)
+    singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, qtype, k_in) for i in range(k)])
+    assert torch.equal(y, singles)
+    _check_close(y, x, dequant(raw.numpy(), qtype, k_in), qtype=qtype)
+
+
+def test_multiply_peak():
+    if not uk.load().vnni_supported():  # the CPU's, whatever path the tests chose
+        assert uk.multiply_peak(1, iters=1000, reps=1) is None
+        return
+    p = uk.multiply_peak(1, iters=200_000, reps=2)
+    assert p.threads == 1 and p.vpdpbusd_per_s > 1e8  # any VNNI core sustains far more than this
+    assert p.int8_macs_per_s == 64 * p.vpdpbusd_per_s and p.macs_per_s(16) == 32 * p.vpdpbusd_per_s
+    with pytest.raises(ValueError, match="act_bits"):
+        p.macs_per_s(4)
+    with pytest.raises(ValueError, match="threads"):
+        uk.multiply_peak(0)
 
 
 def test_qmatmul_many_rows_thread_split(path):

@@ -3,8 +3,12 @@
 Every speed comes with the bytes of weights read per token, the achieved GB/s and the % of the roofline
 (the machine's read bandwidth, measured in the same run with 1 and with all threads). r(k) is the cost of
 a k-token forward relative to a 1-token forward at the same position: what speculative decoding pays to
-verify k tokens at once. Where llama-cpp-python is installed, the same model, prompt tokens and thread
-count run through llama.cpp and the ratios are printed.
+verify k tokens at once. The multiply limit is measured in the same run too (12 independent vpdpbusd chains
+per thread: the units' rate, not one chain's latency), and beside r(k) and prefill come the % of that peak
+the kernels reach and the physical r(k): a k-row forward can take no less than the longer of streaming the
+weights once at the measured bandwidth and k rows of multiplies at the measured peak. Where
+llama-cpp-python is installed, the same model, prompt tokens and thread count run through llama.cpp and the
+ratios are printed.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class RunFigures:
     ttft_s: float
     decode_tokens_per_s: float
     r_k: dict = field(default_factory=dict)
+    forward_s: dict = field(default_factory=dict)  # k -> seconds of a k-row forward (ours only)
 
 
 def _median_time(fn, reps: int) -> float:
@@ -96,14 +101,15 @@ def _median_time(fn, reps: int) -> float:
 
 def bench_ours(engine, ids: list[int], gen: int, max_k: int, reps: int) -> RunFigures:
     from ..sampler import SamplingParams
-    from ..speculative import measure_r
+    from ..speculative import forward_times
 
     engine.generate(ids[:16], SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
     res = engine.generate(ids, SamplingParams(max_tokens=gen, ignore_eos=True))
     probe = (res.token_ids + ids)[:max_k + 1]  # the model's own continuation of the prompt, as drafts would be
-    r = measure_r(engine, max_k, reps, prefix=ids, probe=probe, cache=engine.cache)
-    r_k = {k: r[k] for k in range(1, max_k + 1)}
-    return RunFigures("ultrafast", res.prefill_tokens_per_s, res.ttft_s, res.decode_tokens_per_s, r_k)
+    t = forward_times(engine, max_k, reps, prefix=ids, probe=probe, cache=engine.cache)
+    r_k = {k: t[k] / t[1] for k in range(1, max_k + 1)}
+    return RunFigures("ultrafast", res.prefill_tokens_per_s, res.ttft_s, res.decode_tokens_per_s, r_k,
+                      {k: t[k] for k in range(1, max_k + 1)})
 
 
 def bench_llama_cpp(path, ids: list[int], gen: int, threads: int, max_k: int, reps: int) -> RunFigures | None:
@@ -119,12 +125,18 @@ def bench_llama_cpp(path, ids: list[int], gen: int, threads: int, max_k: int, re
     t0 = time.perf_counter()
     llm.eval(ids)
     ttft = time.perf_counter() - t0
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+
+    def last_token() -> int:
+        # llama-cpp-python 0.3.x keeps `scores` only with logits_all (which would make its prefill compute the
+        # head for every prompt row); the context holds the last row's logits either way
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+        return int(np.argmax(logits))
+    tok = last_token()
     out = [tok]
     t1 = time.perf_counter()
     for _ in range(gen - 1):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = last_token()
         out.append(tok)
     decode = (gen - 1) / (time.perf_counter() - t1)
     n = len(ids)
@@ -143,6 +155,7 @@ def bench_llama_cpp(path, ids: list[int], gen: int, threads: int, max_k: int, re
 
 def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int = 2, max_k: int = 16,
               reps: int = 5, llama_cpp: bool = True, max_context: int | None = None, activation_bits: int = 16) -> dict:
+    from .. import kernels
     from ..engine import Engine
     from ..pull import resolve_model
 
@@ -153,12 +166,30 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
     info = engine.describe()
     bw1 = measure_read_bandwidth(1)
     bwn = measure_read_bandwidth(threads)
+    macs = engine.model.macs_per_token()
+    macs_prefill = engine.model.macs_per_token(head=False)
+    peak = kernels.multiply_peak(threads) if "vnni" in info["kernels"] else None
     ids = prompt_tokens(engine.tokenizer, prompt_len)
     ours = bench_ours(engine, ids, gen, max_k, reps)
     del engine
     theirs = bench_llama_cpp(path, ids, gen, threads, max_k, reps) if llama_cpp else None
     bpt = info["weight_bytes_per_token"]
     roofline = bwn * 1e9 / bpt
+    multiply = None
+    if peak is not None:
+        rate = peak.macs_per_s(activation_bits)
+        t_mem = bpt / (bwn * 1e9)
+
+        def physical(k: int) -> float:  # the longer of one pass over the weights and k rows of multiplies
+            return max(t_mem, k * macs / rate)
+        multiply = {
+            "vpdpbusd_per_s": peak.vpdpbusd_per_s, "activation_bits": activation_bits, "macs_per_s": rate,
+            "macs_per_token": macs, "macs_per_token_prefill": macs_prefill,
+            "physical_r_k": {k: physical(k) / physical(1) for k in ours.r_k},
+            "pct_of_peak_k": {k: 100 * k * macs / ours.forward_s[k] / rate for k in ours.r_k},
+            "pct_of_peak_prefill": 100 * ours.prefill_tokens_per_s * macs_prefill / rate,
+            "prefill_limit_tokens_per_s": rate / macs_prefill,
+        }
 
     def summary(f: RunFigures | None):
         if f is None:
@@ -171,7 +202,7 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
         "weight_bytes_per_token": bpt, "weight_bytes_held": info["weight_bytes_held"],
         "file_tensor_bytes": info["file_tensor_bytes"], "kernels": info["kernels"],
         "read_gb_per_s_1_thread": bw1, f"read_gb_per_s_{threads}_threads": bwn,
-        "roofline_tokens_per_s": roofline,
+        "roofline_tokens_per_s": roofline, "multiply_peak": multiply,
         "ultrafast": summary(ours), "llama_cpp": summary(theirs),
         "decode_ratio_vs_llama_cpp": (ours.decode_tokens_per_s / theirs.decode_tokens_per_s) if theirs else None,
     }
@@ -200,11 +231,24 @@ def format_table(r: dict) -> str:
     row("% of roofline", "pct_of_roofline", "{:.0f}%")
     row("prefill tok/s", "prefill_tokens_per_s", "{:.0f}")
     row("TTFT ms", "ttft_ms", "{:.0f}")
+    mp = r.get("multiply_peak")
+    if mp:
+        lines.append(f"{'prefill % of mult. peak':24}{mp['pct_of_peak_prefill']:>11.0f}%"
+                     f"   (limit {mp['prefill_limit_tokens_per_s']:.0f} tok/s)")
+        lines.append("")
+        lines.append(f"multiply peak (measured, {t} threads): {mp['vpdpbusd_per_s'] / 1e9:.2f} G vpdpbusd/s = "
+                     f"{mp['macs_per_s'] / 1e9:.0f} G int{mp['activation_bits']} MAC/s; "
+                     f"{mp['macs_per_token'] / 1e9:.2f} G MACs per token")
     lines.append("")
     ks = sorted(us["r_k"], key=int)
     lines.append("r(k) = time(k-token forward) / time(1-token forward)")
     lines.append("k          " + "".join(f"{k:>6}" for k in ks))
     lines.append("ultrafast  " + "".join(f"{us['r_k'][k]:6.2f}" for k in ks))
+    if mp:
+        lines.append("physical   " + "".join(f"{mp['physical_r_k'][k]:6.2f}" for k in ks)
+                     + "   max(weight stream, k rows of multiplies at peak)")
+        lines.append("% of peak  " + "".join(f"{mp['pct_of_peak_k'][k]:5.0f}%" for k in ks)
+                     + "   multiplies done / time, against the peak")
     if lc:
         lines.append("llama.cpp  " + "".join(f"{lc['r_k'][k]:6.2f}" for k in ks))
     return "\n".join(lines)

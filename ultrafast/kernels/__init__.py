@@ -8,6 +8,7 @@ speculative decoding verify k draft tokens in one call and still be provably los
     rmsnorm(x, weight, eps)             y = x * rsqrt(mean(x^2) + eps) * weight, row-wise
     attention(q, k_cache, v_cache, start_pos, scale)   causal grouped-query attention over a KV cache
     available()                         whether the extension compiled and loaded
+    multiply_peak(threads)              the multiply limit of the VNNI kernels, measured (MACs per second)
 
 Weights are dequantized to exactly the values gguf/ggml produce (fp16 scales converted to fp32, e.g.
 Q4_K: (d*sc)*q - dmin*m); only the order of the fp32 sums differs from ``x @ W.T``, so results agree
@@ -40,6 +41,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +50,7 @@ __all__ = [
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "SUPPORTED_TYPES",
     "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
     "avx512_active", "vnni_supported", "set_force_scalar", "KernelBuildError", "decoder_block", "path_in_use", "set_kernels_path",
+    "multiply_peak", "MultiplyPeak",
 ]
 
 # GGML type ids (gguf.GGMLQuantizationType)
@@ -209,6 +212,39 @@ def set_kernels_path(path: str) -> None:
 def set_force_scalar(flag: bool) -> None:
     """Force the portable scalar path (for testing); process-wide."""
     load().set_force_scalar(bool(flag))
+
+
+@dataclass(frozen=True)
+class MultiplyPeak:
+    """The rate the multiply units sustain (12 independent vpdpbusd chains per thread, not one chain's
+    latency), and what it means for the kernels: each vpdpbusd is 64 multiply-adds of an int8 activation, and
+    an int16 activation takes two (its two signed bytes)."""
+
+    threads: int
+    vpdpbusd_per_s: float
+
+    @property
+    def int8_macs_per_s(self) -> float:
+        return 64.0 * self.vpdpbusd_per_s
+
+    @property
+    def int16_macs_per_s(self) -> float:
+        return 32.0 * self.vpdpbusd_per_s
+
+    def macs_per_s(self, act_bits: int) -> float:
+        if act_bits not in (8, 16):
+            raise ValueError(f"act_bits must be 16 or 8, got {act_bits!r}")
+        return self.int8_macs_per_s if act_bits == 8 else self.int16_macs_per_s
+
+
+def multiply_peak(threads: int | None = None, iters: int = 10_000_000, reps: int = 3) -> MultiplyPeak | None:
+    """Measure the VNNI multiply limit on `threads` threads together (default: torch's thread count), best of
+    `reps` runs of 12 x `iters` vpdpbusd per thread (~0.1 s each). None where the VNNI kernels do not run."""
+    threads = torch.get_num_threads() if threads is None else int(threads)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    rate = float(_ext_or_load().vnni_multiply_peak(threads, int(iters), int(reps)))
+    return MultiplyPeak(threads, rate) if rate > 0 else None
 
 
 def _ext_or_load():

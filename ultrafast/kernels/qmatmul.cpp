@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -620,6 +621,23 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
   return x;
 }
 
+// vpdpbusd instructions per second that `threads` threads sustain together (best of `reps` runs of `iters`
+// iterations of 12 independent chains each): the multiply limit of the VNNI kernels. 0 without VNNI.
+double vnni_multiply_peak(int64_t threads, int64_t iters, int64_t reps) {
+  TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "vnni_multiply_peak: threads, iters and reps must be >= 1");
+  if (!(avx512_usable() && vnni_usable())) return 0.0;
+  double best = 0.0;
+  std::atomic<int64_t> sink{0};
+  for (int64_t r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads((int)threads)
+    sink += vnni_dpbusd_chains(iters);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 12.0 * (double)iters * (double)threads / dt);
+  }
+  return sink.load() == 42 ? best + 0.0 : best;  // the sums are read, so the work is kept
+}
+
 }  // namespace
 }  // namespace ultrafast
 
@@ -646,6 +664,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this CPU can run the AVX512-VNNI integer path");
   m.def("path_in_use", &ultrafast::path_in_use, "vnni-int16, avx512-fp32 or scalar");
   m.def("set_kernels_path", &ultrafast::set_kernels_path, "auto, vnni (= auto), fp32 or scalar; process-wide");
+  m.def("vnni_multiply_peak", &ultrafast::vnni_multiply_peak, "vpdpbusd per second on `threads` threads (0: no VNNI)",
+        py::arg("threads"), py::arg("iters") = 10000000, py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
   m.def("block_info", [](int64_t qtype) {
     ultrafast::TypeInfo ti;
     TORCH_CHECK_VALUE(ultrafast::type_info((int)qtype, &ti), "unsupported GGML type id ", qtype);

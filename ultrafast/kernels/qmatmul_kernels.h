@@ -61,5 +61,9 @@ void qmm_prep_range_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int6
 // weight row n, activation row r, x8). Returns false only if a scratch allocation failed.
 bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
                    int64_t ldy, int64_t n0, int64_t n1, bool x8);
+// The multiply limit, measured: n iterations of 12 independent vpdpbusd chains (12 * n instructions, each 64
+// u8 x s8 multiply-adds) on the calling thread; the rate the units sustain, not one chain's latency. Returns a
+// value derived from the sums so the work cannot be dropped.
+int64_t vnni_dpbusd_chains(int64_t n);
 
 }  // namespace ultrafast

@@ -385,12 +385,22 @@ void prep_row_q6k(const float* x, uint8_t* out, int64_t G0, int64_t G1) {
 
 // ---- driver -----------------------------------------------------------------------------------------
 
-constexpr int RMAX = 8;
+// The register tile: NW weight rows x R activation rows. Each group's decoded weight vectors feed R
+// activation rows, and each activation row's x vectors, loaded once into registers, feed NW weight rows, so
+// a product costs its vpdpbusd and its fp32 step, not the loads of its operands (the one-weight-row tile
+// re-loaded x from memory for every product: ~5 vector loads per 4 vpdpbusd). Tiles used: NW_MAX x up to
+// R_MAX (verification, batched decode), NW_MAX x 1 (decode: independent chains across weight rows), and
+// NW = 1 for the last row of an odd range. The tile never changes an output's arithmetic (see below).
+constexpr int NW_MAX = 2, R_MAX = 4;
+// Up to this many bytes of prepared x, every tile of weight rows is read whole against all activation rows
+// (x stays in L2); more (prefill) takes the weight-tiled schedule (see rows()). Measured on the 1.5B's down
+// projection (Q6_K, K = 8960, 31 KB of x per row), 1 thread: k = 16 (500 KB) whole rows 8.7 cycles per
+// 128-value product against 10.7 for the K-panelled schedule used before; k = 24 (750 KB) 9.2 against 10.7.
+constexpr int64_t WHOLE_ROWS_X = 768 * 1024;
 
 // Accumulators per (weight row, activation row): two fp32 chains, A for the groups of even global index in the
 // row and B for the odd ones (so consecutive groups do not wait on each other's FMA latency); a group's mins
-// term (Q4_1, Q4_K) goes into the same chain right after its block sums. Two chains, not three, leave
-// registers for 8 activation rows per weight-row pass.
+// term (Q4_1, Q4_K) goes into the same chain right after its block sums.
 template <class T>
 constexpr int NACC = 2;
 
@@ -403,113 +413,125 @@ constexpr int NACC = 2;
 // is not bounded by the call's rows: past them lie the next rows or the next tensor of the file.
 constexpr int64_t PF_NEAR = 2048, PF_FAR = 12288, PF_FAR_MIN = 512 * 1024;
 
-template <class T, int R, int PAR, bool X8>
-UF_INLINE void kblock(const uint8_t* p, const uint8_t* xg, int64_t ldx, __m512* acc) {
+// One kernel block of NW weight rows (row w at p + w * rb) against R activation rows. acc[(w * R + r) * NA + c].
+// Per output the operations are, per group: the integer dot products (exact), one convert, one mul
+// (d_w * s), one fma into chain c; (Q4_1) one fma for the mins; (Q4_K) after the block one fnmadd for its
+// mins. The same for every NW and R.
+template <class T, int NW, int R, int PAR, bool X8>
+UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t ldx, __m512* acc) {
   using X = typename T::X;
   constexpr int NA = NACC<T>;
-  const typename T::Ctx ctx = T::context(p);
+  typename T::Ctx ctx[NW];
+#pragma GCC unroll 4
+  for (int w = 0; w < NW; ++w) ctx[w] = T::context(p + w * rb);
 #pragma GCC unroll 4
   for (int g = 0; g < T::GPK; ++g) {
-    __m512i W[2];
-    __m512 dvec, mvec;
-    T::decode(p, g, ctx, W, dvec, mvec);
+    __m512i W[NW][2];
+    __m512 dvec[NW], mvec[NW];
+#pragma GCC unroll 4
+    for (int w = 0; w < NW; ++w) T::decode(p + w * rb, g, ctx[w], W[w], dvec[w], mvec[w]);
+    const int c = (PAR + g) & 1;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const X* xr = reinterpret_cast<const X*>(xg + r * ldx) + g;
-      const int c = (PAR + g) & 1;
-      // q.x = 256 * (q.xh) + q.xl (+ the integer offset): exact in int32; int8 x: q.x (+ the offset)
-      __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[0], xr->xh[0]);
-      ia = _mm512_dpbusd_epi32(ia, W[1], xr->xh[1]);
-      if constexpr (!X8) ia = _mm512_slli_epi32(ia, 8);
-      if constexpr (T::IOFF != 0) ia = _mm512_add_epi32(ia, xr->ioff);
-      if constexpr (!X8) {
-        ia = _mm512_dpbusd_epi32(ia, W[0], xr->xl[0]);
-        ia = _mm512_dpbusd_epi32(ia, W[1], xr->xl[1]);
+      const __m512i xh0 = xr->xh[0], xh1 = xr->xh[1];
+      __m512i xl0, xl1, io;
+      if constexpr (!X8) xl0 = xr->xl[0], xl1 = xr->xl[1];
+      if constexpr (T::IOFF != 0) io = xr->ioff;
+      const __m512 s = xr->s;
+#pragma GCC unroll 4
+      for (int w = 0; w < NW; ++w) {
+        // q.x = 256 * (q.xh) + q.xl (+ the integer offset): exact in int32; int8 x: q.x (+ the offset)
+        __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[w][0], xh0);
+        ia = _mm512_dpbusd_epi32(ia, W[w][1], xh1);
+        if constexpr (!X8) ia = _mm512_slli_epi32(ia, 8);
+        if constexpr (T::IOFF != 0) ia = _mm512_add_epi32(ia, io);
+        if constexpr (!X8) {
+          ia = _mm512_dpbusd_epi32(ia, W[w][0], xl0);
+          ia = _mm512_dpbusd_epi32(ia, W[w][1], xl1);
+        }
+        const __m512 t = _mm512_mul_ps(dvec[w], s);
+        __m512& a = acc[(w * R + r) * NA + c];
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), t, a);
+        if constexpr (T::MINS > 0) a = _mm512_fmadd_ps(mvec[w], xr->xsf, a);
       }
-      const __m512 t = _mm512_mul_ps(dvec, xr->s);
-      acc[r * NA + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), t, acc[r * NA + c]);
-      if constexpr (T::MINS > 0) acc[r * NA + c] = _mm512_fmadd_ps(mvec, xr->xsf, acc[r * NA + c]);
     }
   }
   if constexpr (T::MINS < 0) {  // after the last group, into its chain
     constexpr int c = (PAR + T::GPK - 1) & 1;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const X* xr = reinterpret_cast<const X*>(xg + r * ldx);
-      acc[r * NA + c] = _mm512_fnmadd_ps(ctx.dm, xr->xsf, acc[r * NA + c]);
+      const __m512 xsf = reinterpret_cast<const X*>(xg + r * ldx)->xsf;
+#pragma GCC unroll 4
+      for (int w = 0; w < NW; ++w) {
+        __m512& a = acc[(w * R + r) * NA + c];
+        a = _mm512_fnmadd_ps(ctx[w].dm, xsf, a);
+      }
     }
   }
 }
 
-template <class T, int R, bool X8>
-UF_INLINE void kblock_at(int64_t b, const uint8_t* p, const uint8_t* xg, int64_t ldx, __m512* acc) {
+template <class T, int NW, int R, bool X8>
+UF_INLINE void kblock_at(int64_t b, const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t ldx, __m512* acc) {
   if (T::GPK == 1 && (b & 1))
-    kblock<T, R, 1, X8>(p, xg, ldx, acc);
+    kblock<T, NW, R, 1, X8>(p, rb, xg, ldx, acc);
   else
-    kblock<T, R, 0, X8>(p, xg, ldx, acc);
+    kblock<T, NW, R, 0, X8>(p, rb, xg, ldx, acc);
 }
 
-// The partial last kernel block of a row whose K is not a multiple of KB, decoded from a zero-padded copy
-// (x is zero-padded too).
-template <class T, int R, bool X8>
-UF_INLINE void partial_kblock(const uint8_t* wr, int64_t K, const uint8_t* xg, int64_t ldx, __m512* acc) {
+// The partial last kernel block of rows whose K is not a multiple of KB, decoded from a zero-padded copy
+// (x is zero-padded too); one weight row at a time (acc of row w: acc + w * R * NA, the NW = 1 layout).
+template <class T, int NW, int R, bool X8>
+UF_INLINE void partial_kblock(const uint8_t* wr, int64_t rb, int64_t K, const uint8_t* xg, int64_t ldx,
+                              __m512* acc) {
   const int64_t nfull = K / T::KB, nunits = (K - nfull * T::KB) / T::UNIT;
   constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;
   alignas(64) uint8_t buf[T::KBYTES + 64];
-  for (int i = 0; i < T::KBYTES + 64; ++i) buf[i] = 0;
-  __builtin_memcpy(buf, wr + nfull * T::KBYTES, (size_t)(nunits * T::UNIT_BYTES));
-  kblock_at<T, R, X8>(nfull, buf, xg + nfull * XB, ldx, acc);
+  for (int w = 0; w < NW; ++w) {
+    for (int i = 0; i < T::KBYTES + 64; ++i) buf[i] = 0;
+    __builtin_memcpy(buf, wr + w * rb + nfull * T::KBYTES, (size_t)(nunits * T::UNIT_BYTES));
+    kblock_at<T, 1, R, X8>(nfull, buf, 0, xg + nfull * XB, ldx, acc + w * R * NACC<T>);
+  }
 }
 
-// One weight row against R activation rows: y[r * ldy] for r < R. The weight stream is prefetched ahead (rows
-// are read whole and in address order, so the next row's bytes are what is ahead), up to pf_end (the end of
-// the caller's rows: with small matrices, bytes past it would be another thread's or another tensor's).
-template <class T, int R, bool X8>
-__attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t K, const uint8_t* __restrict xg,
+// NW weight rows (wr, wr + rb, ...) against R activation rows: y[r * ldy + w]. The weight stream is
+// prefetched ahead in each row (rows are read whole and in address order, so what lies ahead is the rest of
+// the row, then the next rows).
+template <class T, int NW, int R, bool X8>
+__attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t rb, int64_t K, const uint8_t* __restrict xg,
                                    int64_t ldx, float* y, int64_t ldy, bool far) {
   const int64_t nfull = K / T::KB;
   constexpr int NA = NACC<T>;
   constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;  // x bytes per kernel block
-  __m512 acc[R * NA];
-#pragma GCC unroll 24
-  for (int i = 0; i < R * NA; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 acc[NW * R * NA];
+#pragma GCC unroll 32
+  for (int i = 0; i < NW * R * NA; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nfull; ++b) {
     const uint8_t* p = wr + b * T::KBYTES;
-    if (far) {
 #pragma GCC unroll 4
-      for (int o = 0; o < T::KBYTES; o += 64) {
-        _mm_prefetch((const char*)(p + PF_NEAR + o), _MM_HINT_T0);
-        _mm_prefetch((const char*)(p + PF_FAR + o), _MM_HINT_T1);
+    for (int w = 0; w < NW; ++w) {
+      const uint8_t* q = p + w * rb;
+      if (far) {
+#pragma GCC unroll 4
+        for (int o = 0; o < T::KBYTES; o += 64) {
+          _mm_prefetch((const char*)(q + PF_NEAR + o), _MM_HINT_T0);
+          _mm_prefetch((const char*)(q + PF_FAR + o), _MM_HINT_T1);
+        }
+      } else {
+#pragma GCC unroll 4
+        for (int o = 0; o < T::KBYTES; o += 64) _mm_prefetch((const char*)(q + PF_NEAR + o), _MM_HINT_T0);
       }
-    } else {
-#pragma GCC unroll 4
-      for (int o = 0; o < T::KBYTES; o += 64) _mm_prefetch((const char*)(p + PF_NEAR + o), _MM_HINT_T0);
     }
-    kblock_at<T, R, X8>(b, p, xg + b * XB, ldx, acc);
+    kblock_at<T, NW, R, X8>(b, p, rb, xg + b * XB, ldx, acc);
   }
-  if (nfull * T::KB < K) partial_kblock<T, R, X8>(wr, K, xg, ldx, acc);
+  if (nfull * T::KB < K) partial_kblock<T, NW, R, X8>(wr, rb, K, xg, ldx, acc);
+#pragma GCC unroll 4
+  for (int w = 0; w < NW; ++w)
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r * NA], acc[r * NA + 1]));
-  }
-}
-
-// Kernel blocks [b0, b1) of one weight row for R activation rows, accumulators kept in st (st[r * NACC ..])
-// between calls (an exact round trip through memory), for the tiled schedule of many activation rows.
-template <class T, int R, bool X8>
-__attribute__((noinline)) void run_panel(const uint8_t* __restrict wr, int64_t K, int64_t b0, int64_t b1,
-                                         const uint8_t* __restrict xg, int64_t ldx, __m512* st) {
-  const int64_t nfull = K / T::KB;
-  constexpr int NA = NACC<T>;
-  constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;
-  __m512 acc[R * NA];
-#pragma GCC unroll 16
-  for (int i = 0; i < R * NA; ++i) acc[i] = st[i];
-  const int64_t bf = b1 < nfull ? b1 : nfull;
-  for (int64_t b = b0; b < bf; ++b) kblock_at<T, R, X8>(b, wr + b * T::KBYTES, xg + b * XB, ldx, acc);
-  if (b1 > nfull) partial_kblock<T, R, X8>(wr, K, xg, ldx, acc);
-#pragma GCC unroll 16
-  for (int i = 0; i < R * NA; ++i) st[i] = acc[i];
+    for (int r = 0; r < R; ++r) {
+      const __m512* a = acc + (w * R + r) * NA;
+      y[r * ldy + w] = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+    }
 }
 
 // f(Rows<R>{}) for the compile-time R equal to rr (R0 <= rr), or R1 when rr >= R1.
@@ -527,65 +549,71 @@ UF_INLINE void with_rows(int64_t rr, F&& f) {
   }
 }
 
-// Weight rows [n0, n1).
-// - Up to RMAX activation rows (decode, verification), or as many as keep their prepared x within L2: each
-//   weight row is read whole by run(), once per chunk of up to RMAX rows.
-// - More (prefill): tiles of G weight rows x all activation rows x K panels sized so that the prepared x of
-//   one chunk of rows stays in L1 while the G weight rows sweep it (x of 100+ rows would stream from L3
-//   for every weight row otherwise); the next tile's weights are prefetched into L2.
-// Both give every output the same operations in the same order (run_panel continues run's chains).
+// f(Rows<NW>{}) for the widest weight tile that fits the nw rows left.
+template <class F>
+UF_INLINE void with_weight_rows(int64_t nw, F&& f) {
+  if (nw >= NW_MAX)
+    f(Rows<NW_MAX>{});
+  else
+    f(Rows<1>{});
+}
+
+// Weight rows [n0, n1), two schedules of the same run() (so every output gets the same operations in the same
+// order whichever is taken):
+// - Few activation rows (decode, verification: up to 2 * R_MAX, or as many as keep their prepared x within
+//   WHOLE_ROWS_X): each tile of weight rows is read whole from memory by run(), once per chunk of up to R_MAX
+//   activation rows (the second chunk finds the tile's bytes in L1/L2).
+// - More (prefill): tiles of weight rows of ~256 KB, read from memory once and kept in L2, each swept by every
+//   chunk of R_MAX activation rows. (A K-panelled schedule that kept the partial sums of all rows in memory
+//   between panels ran at 12.6-14.7 cycles per 128-value product on the 1.5B's shapes at k = 512; this one
+//   at 8.7-10.4, 1 thread.)
 template <class T, bool X8>
 bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
           int64_t ldy, int64_t n0, int64_t n1) {
-  if (k <= RMAX || k * ldx <= 256 * 1024) {  // all rows' x stays in L2: whole rows, chunks of <= RMAX rows
-    const int64_t nch = (k + RMAX - 1) / RMAX, per = (k + nch - 1) / nch;
+  if (k <= 2 * R_MAX || k * ldx <= WHOLE_ROWS_X) {  // all rows' x stays in L2: whole rows, chunks of <= R_MAX rows
+    const int64_t nch = (k + R_MAX - 1) / R_MAX, per = (k + nch - 1) / nch;
     const bool far = (n1 - n0) * rb >= PF_FAR_MIN;
-    for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t n = n0; n < n1;) {
       const uint8_t* wr = w + n * rb;
-      for (int64_t r0 = 0; r0 < k; r0 += per) {
-        const int64_t rr = k - r0 < per ? k - r0 : per;
-        const uint8_t* xr = xg + r0 * ldx;
-        float* yr = y + r0 * ldy + n;
-        with_rows<1, RMAX>(rr, [&](auto R) { run<T, decltype(R)::value, X8>(wr, K, xr, ldx, yr, ldy, far); });
-      }
+      int64_t step = 1;
+      with_weight_rows(n1 - n, [&](auto NWc) {
+        constexpr int NW = decltype(NWc)::value;
+        step = NW;
+        for (int64_t r0 = 0; r0 < k; r0 += per) {
+          const int64_t rr = k - r0 < per ? k - r0 : per;
+          const uint8_t* xr = xg + r0 * ldx;
+          float* yr = y + r0 * ldy + n;
+          with_rows<1, R_MAX>(rr, [&](auto R) { run<T, NW, decltype(R)::value, X8>(wr, rb, K, xr, ldx, yr, ldy, far); });
+        }
+      });
+      n += step;
     }
     return true;
   }
-  constexpr int G = 16, NA = NACC<T>, RP = 6;  // rows per chunk in the tiled schedule
-  const int64_t nkb = (K + T::KB - 1) / T::KB;
-  constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;
-  const int64_t nchunk = (k + RP - 1) / RP, rper = (k + nchunk - 1) / nchunk;
-  int64_t PB = (16 * 1024) / (XB * rper);
-  if (PB < 1) PB = 1;
-  void* mem = __builtin_malloc(sizeof(__m512) * (size_t)(G * k * NA) + 64);
-  if (!mem) return false;
-  __m512* st = reinterpret_cast<__m512*>(((uintptr_t)mem + 63) & ~(uintptr_t)63);
-  for (int64_t n = n0; n < n1; n += G) {
-    const int64_t g = n1 - n < G ? n1 - n : G;
-    for (int64_t i = 0; i < g * k * NA; ++i) st[i] = _mm512_setzero_ps();
-    const uint8_t* wg = w + n * rb;
-    if (n + G < n1) {
-      prefetch_l2(wg + G * rb, (n1 - (n + G) < G ? n1 - (n + G) : G) * rb);
-    }
-    for (int64_t b0 = 0; b0 < nkb; b0 += PB) {
-      const int64_t b1 = b0 + PB < nkb ? b0 + PB : nkb;
-      for (int64_t r0 = 0; r0 < k; r0 += rper) {
-        const int64_t rr = k - r0 < rper ? k - r0 : rper;
-        const uint8_t* xr = xg + r0 * ldx;
-        for (int64_t j = 0; j < g; ++j) {
-          const uint8_t* wr = wg + j * rb;
-          __m512* s = st + (j * k + r0) * NA;
-          with_rows<1, RP>(rr, [&](auto R) { run_panel<T, decltype(R)::value, X8>(wr, K, b0, b1, xr, ldx, s); });
-        }
+  // Prefill: tiles of weight rows of about TILE_BYTES (streamed from memory once, then kept in L2), each
+  // swept by every chunk of R_MAX activation rows (whose x stays in L1/L2 while it meets the tile's rows).
+  constexpr int64_t TILE_BYTES = 256 * 1024;
+  int64_t G = TILE_BYTES / rb;
+  G = G < NW_MAX ? NW_MAX : G / NW_MAX * NW_MAX;
+  const int64_t nch = (k + R_MAX - 1) / R_MAX, per = (k + nch - 1) / nch;
+  for (int64_t nt = n0; nt < n1; nt += G) {
+    const int64_t ne = nt + G < n1 ? nt + G : n1;
+    for (int64_t r0 = 0; r0 < k; r0 += per) {
+      const int64_t rr = k - r0 < per ? k - r0 : per;
+      const uint8_t* xr = xg + r0 * ldx;
+      for (int64_t n = nt; n < ne;) {
+        int64_t step = 1;
+        with_weight_rows(ne - n, [&](auto NWc) {
+          constexpr int NW = decltype(NWc)::value;
+          step = NW;
+          with_rows<1, R_MAX>(rr, [&](auto R) {
+            run<T, NW, decltype(R)::value, X8>(w + n * rb, rb, K, xr, ldx, y + r0 * ldy + n, ldy, false);
+          });
+        });
+        n += step;
       }
     }
-    for (int64_t j = 0; j < g; ++j)
-      for (int64_t r = 0; r < k; ++r) {
-        const __m512* a = st + (j * k + r) * NA;
-        y[r * ldy + n + j] = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
-      }
   }
-  __builtin_free(mem);
   return true;
 }
 
@@ -671,6 +699,20 @@ bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uin
   return ok;
 }
 
+int64_t vnni_dpbusd_chains(int64_t n) {
+  __m512i x = _mm512_set1_epi8(3), w = _mm512_set1_epi8(5);
+  __m512i a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_epi32(i);  // distinct, so the chains cannot be merged
+  for (int64_t it = 0; it < n; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbusd_epi32(a[i], x, w);
+    __asm__ volatile("" : "+v"(x), "+v"(w));
+  }
+  __m512i s = a[0];
+  for (int i = 1; i < 12; ++i) s = _mm512_add_epi32(s, a[i]);
+  return _mm512_reduce_add_epi32(s);
+}
+
 }  // namespace ultrafast
 
 #if defined(__clang__)
@@ -692,6 +734,7 @@ bool qmm_rows_vnni(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_
                    int64_t, bool) {
   return false;
 }
+int64_t vnni_dpbusd_chains(int64_t) { return 0; }
 }  // namespace ultrafast
 
 #endif
