@@ -193,7 +193,7 @@ def test_qmatmul_long_blocks(path, qtype):
 
 @pytest.mark.parametrize("qtype", [uk.Q4_K, uk.Q6_K, uk.Q5_0], ids=lambda t: NAMES[t])
 def test_qmatmul_prefill_schedule(path, qtype):
-    # enough rows that their prepared x outgrows L2 (the panelled prefill schedule on the VNNI path): every
+    # enough rows that their prepared x outgrows L2 (the weight-tiled prefill schedule on the VNNI path): every
     # row's result still equals the one-row call's (the decode schedule), bit for bit
     k_in, k = 2560, 100
     raw = torch.from_numpy(random_weight(qtype, 19, k_in, seed=5))

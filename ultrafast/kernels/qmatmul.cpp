@@ -631,11 +631,11 @@ double vnni_multiply_peak(int64_t threads, int64_t iters, int64_t reps) {
   for (int64_t r = 0; r < reps; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads((int)threads)
-    sink += vnni_dpbusd_chains(iters);
+    sink += vnni_dpbusd_chains(iters);  // the sums are kept, so the work cannot be dropped
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     best = std::max(best, 12.0 * (double)iters * (double)threads / dt);
   }
-  return sink.load() == 42 ? best + 0.0 : best;  // the sums are read, so the work is kept
+  return best;
 }
 
 }  // namespace

@@ -549,13 +549,19 @@ UF_INLINE void with_rows(int64_t rr, F&& f) {
   }
 }
 
-// f(Rows<NW>{}) for the widest weight tile that fits the nw rows left.
-template <class F>
-UF_INLINE void with_weight_rows(int64_t nw, F&& f) {
-  if (nw >= NW_MAX)
-    f(Rows<NW_MAX>{});
-  else
-    f(Rows<1>{});
+// run() on the widest weight tile that fits the weight rows [n, ne) left (NW_MAX, or 1 for the last of an odd
+// range) against activation rows [r0, r0 + rr), rr <= R_MAX; returns the number of weight rows done.
+template <class T, bool X8>
+UF_INLINE int64_t run_tile(const uint8_t* xg, int64_t ldx, int64_t r0, int64_t rr, int64_t K, const uint8_t* w,
+                           int64_t rb, float* y, int64_t ldy, int64_t n, int64_t ne, bool far) {
+  auto go = [&](auto NWc) {
+    constexpr int NW = decltype(NWc)::value;
+    with_rows<1, R_MAX>(rr, [&](auto R) {
+      run<T, NW, decltype(R)::value, X8>(w + n * rb, rb, K, xg + r0 * ldx, ldx, y + r0 * ldy + n, ldy, far);
+    });
+    return (int64_t)NW;
+  };
+  return ne - n >= NW_MAX ? go(Rows<NW_MAX>{}) : go(Rows<1>{});
 }
 
 // Weight rows [n0, n1), two schedules of the same run() (so every output gets the same operations in the same
@@ -570,24 +576,12 @@ UF_INLINE void with_weight_rows(int64_t nw, F&& f) {
 template <class T, bool X8>
 bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
           int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nch = (k + R_MAX - 1) / R_MAX, per = (k + nch - 1) / nch;  // activation rows per chunk
   if (k <= 2 * R_MAX || k * ldx <= WHOLE_ROWS_X) {  // all rows' x stays in L2: whole rows, chunks of <= R_MAX rows
-    const int64_t nch = (k + R_MAX - 1) / R_MAX, per = (k + nch - 1) / nch;
     const bool far = (n1 - n0) * rb >= PF_FAR_MIN;
-    for (int64_t n = n0; n < n1;) {
-      const uint8_t* wr = w + n * rb;
-      int64_t step = 1;
-      with_weight_rows(n1 - n, [&](auto NWc) {
-        constexpr int NW = decltype(NWc)::value;
-        step = NW;
-        for (int64_t r0 = 0; r0 < k; r0 += per) {
-          const int64_t rr = k - r0 < per ? k - r0 : per;
-          const uint8_t* xr = xg + r0 * ldx;
-          float* yr = y + r0 * ldy + n;
-          with_rows<1, R_MAX>(rr, [&](auto R) { run<T, NW, decltype(R)::value, X8>(wr, rb, K, xr, ldx, yr, ldy, far); });
-        }
-      });
-      n += step;
-    }
+    for (int64_t n = n0, step = 0; n < n1; n += step)
+      for (int64_t r0 = 0; r0 < k; r0 += per)
+        step = run_tile<T, X8>(xg, ldx, r0, k - r0 < per ? k - r0 : per, K, w, rb, y, ldy, n, n1, far);
     return true;
   }
   // Prefill: tiles of weight rows of about TILE_BYTES (streamed from memory once, then kept in L2), each
@@ -595,24 +589,11 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
   constexpr int64_t TILE_BYTES = 256 * 1024;
   int64_t G = TILE_BYTES / rb;
   G = G < NW_MAX ? NW_MAX : G / NW_MAX * NW_MAX;
-  const int64_t nch = (k + R_MAX - 1) / R_MAX, per = (k + nch - 1) / nch;
   for (int64_t nt = n0; nt < n1; nt += G) {
     const int64_t ne = nt + G < n1 ? nt + G : n1;
-    for (int64_t r0 = 0; r0 < k; r0 += per) {
-      const int64_t rr = k - r0 < per ? k - r0 : per;
-      const uint8_t* xr = xg + r0 * ldx;
-      for (int64_t n = nt; n < ne;) {
-        int64_t step = 1;
-        with_weight_rows(ne - n, [&](auto NWc) {
-          constexpr int NW = decltype(NWc)::value;
-          step = NW;
-          with_rows<1, R_MAX>(rr, [&](auto R) {
-            run<T, NW, decltype(R)::value, X8>(w + n * rb, rb, K, xr, ldx, y + r0 * ldy + n, ldy, false);
-          });
-        });
-        n += step;
-      }
-    }
+    for (int64_t r0 = 0; r0 < k; r0 += per)
+      for (int64_t n = nt; n < ne;)
+        n += run_tile<T, X8>(xg, ldx, r0, k - r0 < per ? k - r0 : per, K, w, rb, y, ldy, n, ne, false);
   }
   return true;
 }
