@@ -1,5 +1,5 @@
-"""decoder_block: one whole layer per call (on VNNI CPUs, one OpenMP parallel region with barriers between
-its stages; elsewhere a sequence of kernel calls). Checked against the layer written out in PyTorch from the
+"""decoder_block: one whole layer per call, one OpenMP parallel region with barriers between its stages, on
+every kernel path (the `path` fixture: vnni, avx512 fp32, scalar; kernel_variant.h). Checked against the layer written out in PyTorch from the
 dequantized weights, with several sequences in one call, mixed weight types, QKV bias, and the KV cache
 writes; and for batch invariance: a multi-sequence call gives each sequence the bits of calling it alone."""
 
@@ -141,3 +141,57 @@ def test_decoder_block_no_bias_one_thread_same_bits(path):  # noqa: F811
             torch.set_num_threads(old)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert np.isfinite(outs[0][0].numpy()).all()
+
+
+def test_decoder_block_float_linears_and_odd_head_dim(path):  # noqa: F811
+    """The fused layer takes any mix of weight types (F16/F32 linears beside quantized ones) and a head_dim
+    that is not a multiple of 16 (the attention op then is the portable one)."""
+    global TYPES
+    saved = TYPES
+    TYPES = [uk.F16, uk.Q8_0, uk.F32, uk.Q4_K, uk.BF16, uk.Q6_K, uk.Q4_0]
+    try:
+        raws, dense, biases, norms = layer_weights(seed=7)
+        cos, sin = rope(64)
+        x = torch.randn(3, D, generator=torch.Generator().manual_seed(8))
+        kc, vc = fresh_cache(64, 9)
+        rk, rv = kc.double().clone(), vc.double().clone()
+        y = run_layer(x, [11], [3], [kc], [vc], raws, biases, norms, cos, sin)
+        assert close(y, ref_layer(x, 11, rk, rv, dense, biases, norms, cos, sin))
+    finally:
+        TYPES = saved
+    # head_dim 8 (not a multiple of 16): a layer of 4 heads of 8 on the same kind of weights
+    hd, nh, d, f = 8, 4, 256, 256
+    shapes = [(nh * hd, d), (nh * hd, d), (nh * hd, d), (d, nh * hd), (f, d), (f, d), (d, f)]
+    types = [uk.Q8_0] * 7
+    raws = [torch.from_numpy(random_weight(t, n, k, 30 + i)) for i, (t, (n, k)) in enumerate(zip(types, shapes))]
+    inv = 1.0 / (THETA ** (torch.arange(0, hd, 2).float() / hd))
+    e = torch.arange(4).float()[:, None] * inv[None, :]
+    e = torch.cat((e, e), -1)
+    kc, vc = torch.zeros(nh, 8, hd), torch.zeros(nh, 8, hd)
+    x = torch.randn(4, d, generator=torch.Generator().manual_seed(9)) * 0.01
+    one = uk.decoder_block(x, [0], [4], torch.ones(d), torch.ones(d), EPS, raws, types, [], [kc], [vc],
+                           e.cos().contiguous(), e.sin().contiguous(), nh, nh, hd, hd ** -0.5)
+    kc2, vc2 = torch.zeros(nh, 8, hd), torch.zeros(nh, 8, hd)
+    rows = [uk.decoder_block(x[i:i + 1], [i], [1], torch.ones(d), torch.ones(d), EPS, raws, types, [], [kc2],
+                             [vc2], e.cos()[i:i + 1].contiguous(), e.sin()[i:i + 1].contiguous(), nh, nh, hd,
+                             hd ** -0.5) for i in range(4)]
+    assert torch.equal(one, torch.cat(rows)) and torch.equal(kc, kc2)
+    assert np.isfinite(one.numpy()).all()
+
+
+def test_decoder_block_rejects_bad_input():
+    raws, _, biases, norms = layer_weights(seed=11)
+    cos, sin = rope(16)
+    x = torch.randn(1, D)
+    kc, vc = fresh_cache(16, 1)
+    with pytest.raises(ValueError, match="caches must be fp32"):
+        run_layer(x, [0], [1], [kc.double()], [vc.double()], raws, biases, norms, cos, sin)
+    with pytest.raises(ValueError, match="linear 6 has shape"):
+        run_layer(x, [0], [1], [kc], [vc], raws[:6] + [raws[5]], biases, norms, cos, sin)
+    uk.set_kernels_path("scalar")
+    try:
+        with pytest.raises(ValueError, match="int8 activations need the AVX512-VNNI kernels"):
+            uk.decoder_block(x, [0], [1], norms[0], norms[1], EPS, raws, TYPES, biases, [kc], [vc],
+                             cos[:1].contiguous(), sin[:1].contiguous(), H, HKV, HD, 1 / math.sqrt(HD), act_bits=8)
+    finally:
+        uk.set_kernels_path("auto")

@@ -65,8 +65,9 @@ _BLOCKS = {
 SUPPORTED_TYPES = frozenset(_BLOCKS)
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = ["qmatmul.cpp", "qmatmul_avx512.cpp", "qmatmul_vnni.cpp", "decoder_layer.cpp"]
-_HEADERS = ["qmatmul_kernels.h", "decoder_layer.h", "scratch.h"]
+_SOURCES = ["qmatmul.cpp", "kernel_variant.cpp", "decoder_layer.cpp", "scalar.cpp", "qmatmul_avx512.cpp",
+            "qmatmul_vnni.cpp"]
+_HEADERS = ["kernel_variant.h", "qmatmul_kernels.h", "decoder_layer.h", "row_ops.h", "scratch.h"]
 # No -march=native: the baseline unit must run anywhere (the AVX-512 unit enables its ISA with a
 # target pragma and is only entered after a runtime CPU check), so a shared build cache stays safe.
 # -ffp-contract=off: no implicit FMA contraction, so every template instantiation does the same math.

@@ -1,16 +1,20 @@
-// One decoder layer in ONE OpenMP parallel region (the VNNI path): the team of threads is woken once per
-// layer and steps through its stages separated by barriers, instead of forking and joining ~10 times
-// (one per matmul, norm, attention). On 2 cores a fork/join costs several microseconds, about as much as
-// a small model's matmul itself; a barrier costs a fraction of that.
+// The decoder layer (pre-norm attention + SwiGLU feed-forward) of the packed path: the one fused
+// implementation, whatever the kernel variant (kernel_variant.h: the linears' and attention's ops come in
+// LayerArgs). The PyTorch reference is ultrafast/model.py.
+//
+// The whole layer runs in ONE OpenMP parallel region: the team of threads is woken once per layer and steps
+// through its stages separated by barriers, instead of forking and joining ~10 times (one per matmul, norm,
+// attention). On 2 cores a fork/join costs several microseconds, about as much as a small model's matmul
+// itself; a barrier costs a fraction of that.
 //
 // Stages (each split across the team; a barrier between dependent stages):
 //   rmsnorm -> prep(h) -> q,k,v -> bias, RoPE, cache write -> attention -> prep(att) -> wo -> residual,
 //   rmsnorm -> prep(h2) -> gate, up -> SiLU*up -> prep(g) -> down -> residual.
 // Batch invariance is kept: every output element is computed by one thread with arithmetic that depends
-// only on its own row (the same row functions as the per-op path: qmm_prep_range_vnni, qmm_rows_vnni,
-// attn_group_avx512, and the per-row norm/RoPE loops below); how rows, groups or tasks are split between
-// threads never changes an operation. Matmul stages split the weight rows of all their matrices (q, k and v
-// together; gate and up together) by bytes, in chunks of 16 rows.
+// only on its own row (the variant's prep and rows, its attention, and the per-row norm/RoPE loops below);
+// how rows, units or tasks are split between threads never changes an operation. Matmul stages split the
+// weight rows of all their matrices (q, k and v together; gate and up together) by bytes, in chunks of 16
+// rows.
 #include <omp.h>
 
 #include <cmath>
@@ -19,25 +23,11 @@
 
 #include "decoder_layer.h"
 #include "qmatmul_kernels.h"
+#include "row_ops.h"
 #include "scratch.h"
 
 namespace ultrafast {
 namespace {
-
-inline float lane_sum16(const float* a) {  // the same fixed tree as the per-op kernels
-  float s8[8], s4[4];
-  for (int i = 0; i < 8; ++i) s8[i] = a[i] + a[i + 8];
-  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
-void rmsnorm_row(const float* x, const float* w, int64_t d, float eps, float* y) {
-  float a[16] = {0};
-  for (int64_t i = 0; i < d; ++i) a[i & 15] = a[i & 15] + x[i] * x[i];
-  const float mean = lane_sum16(a) / (float)d;
-  const float inv = 1.0f / std::sqrt(mean + eps);
-  for (int64_t i = 0; i < d; ++i) y[i] = (x[i] * inv) * w[i];
-}
 
 inline void split(int64_t n, int nt, int t, int64_t* a, int64_t* b) {
   *a = n * t / nt;
@@ -47,6 +37,7 @@ inline void split(int64_t n, int nt, int t, int64_t* a, int64_t* b) {
 constexpr int64_t CH = 16;  // weight rows per matmul work chunk
 
 struct Mat {
+  const LinearOps* ops;
   const uint8_t* w;
   int64_t rb, N, K;
   int qt;
@@ -72,36 +63,29 @@ bool matmuls(const Mat* m, int nm, int64_t T, int nt, int t, bool x8) {
     const int64_t c0 = first_at(lo), c1 = first_at(hi);
     if (c1 > c0) {
       const int64_t n0 = c0 * CH, n1 = c1 * CH < m[i].N ? c1 * CH : m[i].N;
-      ok &= qmm_rows_vnni(m[i].qt, m[i].xg, T, m[i].K, m[i].w, m[i].rb, m[i].y, m[i].N, n0, n1, x8);
+      ok &= m[i].ops->rows(m[i].qt, m[i].xg, T, m[i].K, m[i].w, m[i].rb, m[i].y, m[i].N, n0, n1, x8);
     }
     off += m[i].N * m[i].rb;
   }
   return ok;
 }
 
-// This thread's share of preparing T rows of x (K wide) for type qt: tasks are (row, group range).
-void prep(int qt, const float* x, int64_t T, int64_t K, uint8_t* xg, int nt, int t, bool x8) {
-  const int64_t ng = qmm_prep_groups_vnni(qt, K), ldx = qmm_prep_bytes_vnni(qt, K);
-  const int64_t per = 8;  // groups per task
-  const int64_t tpr = (ng + per - 1) / per, ntask = T * tpr;
+// This thread's share of preparing T rows of x (K wide) for a linear: tasks are (row, run of prep units).
+void prep(const LinearOps* ops, int qt, const float* x, int64_t T, int64_t K, uint8_t* xg, int nt, int t, bool x8) {
+  const int64_t nu = ops->prep_units(qt, K), ldx = ops->prep_bytes(qt, K);
+  const int64_t per = 8;  // units per task
+  const int64_t tpr = (nu + per - 1) / per, ntask = T * tpr;
   int64_t a, b;
   split(ntask, nt, t, &a, &b);
   for (int64_t i = a; i < b; ++i) {
-    const int64_t r = i / tpr, g0 = (i % tpr) * per, g1 = g0 + per < ng ? g0 + per : ng;
-    qmm_prep_range_vnni(qt, x + r * K, K, xg + r * ldx, g0, g1, x8);
+    const int64_t r = i / tpr, u0 = (i % tpr) * per, u1 = u0 + per < nu ? u0 + per : nu;
+    ops->prep(qt, x + r * K, K, xg + r * ldx, u0, u1, x8);
   }
 }
 
 }  // namespace
 
-bool decoder_layer_team_ok(const int* qt, int64_t hd) {
-  if (!(avx512_usable() && vnni_usable()) || hd % 16 != 0) return false;
-  for (int i = 0; i < 7; ++i)
-    if (!qmm_vnni_supports(qt[i])) return false;
-  return true;
-}
-
-bool decoder_layer_team(const LayerArgs& a) {
+bool decoder_layer(const LayerArgs& a) {
   const int64_t T = a.T, d = a.d, hd = a.hd, nq = a.n_heads * hd, nkv = a.n_kv_heads * hd, f = a.f;
   const int nt = a.nthreads < 1 ? 1 : a.nthreads;
   // prepared inputs: by linear (wq, wk, wv share h; w1, w3 share h2); one buffer per distinct type
@@ -111,12 +95,12 @@ bool decoder_layer_team(const LayerArgs& a) {
     src[i] = i;
     const int first = i < 3 ? 0 : (i == 4 || i == 5) ? 4 : i;
     for (int j = first; j < i; ++j)
-      if (a.qt[j] == a.qt[i]) {
+      if (a.qt[j] == a.qt[i] && a.ops[j] == a.ops[i]) {
         src[i] = src[j];
         break;
       }
     const int64_t K = i == 3 ? nq : (i == 6 ? f : d);
-    xgb[i] = src[i] == i ? T * qmm_prep_bytes_vnni(a.qt[i], K) : 0;
+    xgb[i] = src[i] == i ? T * a.ops[i]->prep_bytes(a.qt[i], K) : 0;
   }
   // attention tasks: (segment row, kv head, run of gh heads of its group)
   const int64_t group = a.n_heads / a.n_kv_heads;
@@ -163,12 +147,12 @@ bool decoder_layer_team(const LayerArgs& a) {
     for (int64_t r = r0; r < r1; ++r) rmsnorm_row(x + r * d, a.attn_norm, d, a.eps, h + r * d);
 #pragma omp barrier
     for (int i = 0; i < 3; ++i)
-      if (src[i] == i) prep(a.qt[i], h, T, d, xgp(i), n, t, a.x8);
+      if (src[i] == i) prep(a.ops[i], a.qt[i], h, T, d, xgp(i), n, t, a.x8);
 #pragma omp barrier
     {
-      const Mat m[3] = {{a.w[0], a.rb[0], nq, d, a.qt[0], xgp(0), q},
-                        {a.w[1], a.rb[1], nkv, d, a.qt[1], xgp(1), k},
-                        {a.w[2], a.rb[2], nkv, d, a.qt[2], xgp(2), v}};
+      const Mat m[3] = {{a.ops[0], a.w[0], a.rb[0], nq, d, a.qt[0], xgp(0), q},
+                        {a.ops[1], a.w[1], a.rb[1], nkv, d, a.qt[1], xgp(1), k},
+                        {a.ops[2], a.w[2], a.rb[2], nkv, d, a.qt[2], xgp(2), v}};
       ok = matmuls(m, 3, T, n, t, a.x8) && ok;
     }
 #pragma omp barrier
@@ -216,16 +200,16 @@ bool decoder_layer_team(const LayerArgs& a) {
         const int64_t h0 = kvh * group + sub * gh;
         const int64_t hn = gh < (kvh + 1) * group - h0 ? gh : (kvh + 1) * group - h0;
         const int64_t s_ = seg_of[i];
-        attn_group_avx512(q + (i * a.n_heads + h0) * hd, (int)hn, a.kc[s_] + kvh * a.ks0[s_],
+        a.attn(q + (i * a.n_heads + h0) * hd, (int)hn, a.kc[s_] + kvh * a.ks0[s_],
                           a.vc[s_] + kvh * a.vs0[s_], pos_of[i] + 1, hd, a.scale, sc, lds,
                           att + (i * a.n_heads + h0) * hd);
       }
     }
 #pragma omp barrier
-    prep(a.qt[3], att, T, nq, xgp(3), n, t, a.x8);
+    prep(a.ops[3], a.qt[3], att, T, nq, xgp(3), n, t, a.x8);
 #pragma omp barrier
     {
-      const Mat m[1] = {{a.w[3], a.rb[3], d, nq, a.qt[3], xgp(3), o}};
+      const Mat m[1] = {{a.ops[3], a.w[3], a.rb[3], d, nq, a.qt[3], xgp(3), o}};
       ok = matmuls(m, 1, T, n, t, a.x8) && ok;
     }
 #pragma omp barrier
@@ -237,11 +221,11 @@ bool decoder_layer_team(const LayerArgs& a) {
     }
 #pragma omp barrier
     for (int i = 4; i < 6; ++i)
-      if (src[i] == i) prep(a.qt[i], h, T, d, xgp(i), n, t, a.x8);
+      if (src[i] == i) prep(a.ops[i], a.qt[i], h, T, d, xgp(i), n, t, a.x8);
 #pragma omp barrier
     {
-      const Mat m[2] = {{a.w[4], a.rb[4], f, d, a.qt[4], xgp(4), g},
-                        {a.w[5], a.rb[5], f, d, a.qt[5], xgp(5), u}};
+      const Mat m[2] = {{a.ops[4], a.w[4], a.rb[4], f, d, a.qt[4], xgp(4), g},
+                        {a.ops[5], a.w[5], a.rb[5], f, d, a.qt[5], xgp(5), u}};
       ok = matmuls(m, 2, T, n, t, a.x8) && ok;
     }
 #pragma omp barrier
@@ -255,10 +239,10 @@ bool decoder_layer_team(const LayerArgs& a) {
       }
     }
 #pragma omp barrier
-    prep(a.qt[6], g, T, f, xgp(6), n, t, a.x8);
+    prep(a.ops[6], a.qt[6], g, T, f, xgp(6), n, t, a.x8);
 #pragma omp barrier
     {
-      const Mat m[1] = {{a.w[6], a.rb[6], d, f, a.qt[6], xgp(6), o}};
+      const Mat m[1] = {{a.ops[6], a.w[6], a.rb[6], d, f, a.qt[6], xgp(6), o}};
       ok = matmuls(m, 1, T, n, t, a.x8) && ok;
     }
 #pragma omp barrier

@@ -1,6 +1,8 @@
-// One decoder layer in one OpenMP parallel region (decoder_layer.cpp); plain pointers, no torch.
+// The decoder layer in one OpenMP parallel region (decoder_layer.cpp); plain pointers, no torch.
 #pragma once
 #include <stdint.h>
+
+#include "kernel_variant.h"
 
 namespace ultrafast {
 
@@ -12,6 +14,8 @@ struct LayerArgs {
   const uint8_t* w[7];  // wq, wk, wv, wo, w1 (gate), w3 (up), w2 (down): raw GGUF rows
   int64_t rb[7];        // row strides in bytes
   int qt[7];
+  const LinearOps* ops[7];  // each linear's kernel variant (kernel_variant.h)
+  AttentionOp attn;
   const float *bq, *bk, *bv;  // or null
   int64_t nseg;
   const int64_t *starts, *lens;
@@ -22,9 +26,7 @@ struct LayerArgs {
   bool x8;  // int8 activations in the linears (else int16)
 };
 
-// Whether the team path can run this layer (VNNI CPU, every linear a VNNI type, head_dim % 16 == 0).
-bool decoder_layer_team_ok(const int* qt, int64_t hd);
 // Runs the layer; false if a kernel ran out of memory.
-bool decoder_layer_team(const LayerArgs& a);
+bool decoder_layer(const LayerArgs& a);
 
 }  // namespace ultrafast

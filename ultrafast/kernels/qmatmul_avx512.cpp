@@ -509,12 +509,12 @@ __attribute__((noinline)) void run(const uint8_t* __restrict w, int64_t rb, int6
 }
 
 template <class T>
-bool rows(const float* xp, const float* xs, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
+bool rows(const float* xp, const float* xs, int64_t ld, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
           int64_t ldy, int64_t n0, int64_t n1) {
   using Acc = typename T::Acc;
   const int64_t nfull = K / T::B;
   const int64_t nblk = (K + T::B - 1) / T::B;
-  const int64_t ldx = nblk * T::B, ldxs = nblk * T::XS;
+  const int64_t ldx = ld, ldxs = ld;  // x' and its sums, row r at xp + r * ld and xs + r * ld
   const int64_t PB = panel_values(k) / T::B > 0 ? panel_values(k) / T::B : 1;
   void* mem = __builtin_malloc(sizeof(Acc) * (size_t)(G * k) + 64);
   if (!mem) return false;
@@ -548,13 +548,6 @@ bool rows(const float* xp, const float* xs, int64_t k, int64_t K, const uint8_t*
   }
   __builtin_free(mem);
   return true;
-}
-
-template <class T>
-void prep_rows(const float* x, int64_t k, int64_t K, float* xp, float* xs) {
-  const int64_t nblk = (K + T::B - 1) / T::B;
-  const int64_t ldx = nblk * T::B, ldxs = nblk * T::XS;
-  for (int64_t r = 0; r < k; ++r) T::prep(x + r * K, K, ldx, xp + r * ldx, xs + r * ldxs);
 }
 
 template <class T>
@@ -657,19 +650,30 @@ UF_INLINE void attn_pv_heads(int G, const float* vc, int64_t L, int64_t hd, cons
     default: break;                               \
   }
 
-void qmm_prep_sizes_avx512(int qtype, int64_t K, int64_t* nx, int64_t* ns) {
-  *nx = *ns = 0;
-  UF_DISPATCH(qtype, prep_sizes<T>(K, nx, ns))
+int64_t qmm_prep_bytes_avx512(int qtype, int64_t K) {
+  int64_t nx = 0, ns = 0;
+  UF_DISPATCH(qtype, prep_sizes<T>(K, &nx, &ns))
+  return (4 * (nx + ns) + 63) / 64 * 64;
 }
 
-void qmm_prep_avx512(int qtype, const float* x, int64_t k, int64_t K, float* xp, float* xs) {
-  UF_DISPATCH(qtype, prep_rows<T>(x, k, K, xp, xs))
+int64_t qmm_prep_units_avx512(int, int64_t) { return 1; }
+
+void qmm_prep_avx512(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool) {
+  if (u0 >= u1) return;
+  int64_t nx = 0, ns = 0;
+  UF_DISPATCH(qtype, prep_sizes<T>(K, &nx, &ns))
+  float* xp = reinterpret_cast<float*>(xg);
+  UF_DISPATCH(qtype, T::prep(x, K, nx, xp, xp + nx))
 }
 
-bool qmm_rows_avx512(int qtype, const float* xp, const float* xs, int64_t k, int64_t K, const uint8_t* w, int64_t rb,
-                     float* y, int64_t ldy, int64_t n0, int64_t n1) {
+bool qmm_rows_avx512(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
+                     int64_t ldy, int64_t n0, int64_t n1, bool) {
+  int64_t nx = 0, ns = 0;
+  UF_DISPATCH(qtype, prep_sizes<T>(K, &nx, &ns))
+  const float* xp = reinterpret_cast<const float*>(xg);
+  const int64_t ld = qmm_prep_bytes_avx512(qtype, K) / 4;  // x and its sums: rows of ld floats
   bool ok = false;
-  UF_DISPATCH(qtype, ok = rows<T>(xp, xs, k, K, w, rb, y, ldy, n0, n1))
+  UF_DISPATCH(qtype, ok = rows<T>(xp, xp + nx, ld, k, K, w, rb, y, ldy, n0, n1))
   return ok;
 }
 
@@ -761,10 +765,11 @@ bool avx512_usable() {
 
 namespace ultrafast {
 bool avx512_usable() { return false; }
-void qmm_prep_sizes_avx512(int, int64_t, int64_t* nx, int64_t* ns) { *nx = *ns = 0; }
-void qmm_prep_avx512(int, const float*, int64_t, int64_t, float*, float*) {}
-bool qmm_rows_avx512(int, const float*, const float*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t,
-                     int64_t, int64_t) {
+int64_t qmm_prep_bytes_avx512(int, int64_t) { return 0; }
+int64_t qmm_prep_units_avx512(int, int64_t) { return 0; }
+void qmm_prep_avx512(int, const float*, int64_t, uint8_t*, int64_t, int64_t, bool) {}
+bool qmm_rows_avx512(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t,
+                     bool) {
   return false;
 }
 void attn_group_avx512(const float*, int, const float*, const float*, int64_t, int64_t, float, float*, int64_t, float*) {}

@@ -20,21 +20,54 @@ enum QType : int {
   QT_Q4_K = 12, QT_Q6_K = 14, QT_BF16 = 30,
 };
 
+// Values and bytes per block of a GGML type (F32/F16/BF16: one value per "block").
+struct TypeInfo {
+  int block;
+  int bytes;
+  const char* name;
+};
+static inline bool type_info(int qtype, TypeInfo* ti) {
+  switch (qtype) {
+    case QT_F32: *ti = {1, 4, "F32"}; return true;
+    case QT_F16: *ti = {1, 2, "F16"}; return true;
+    case QT_BF16: *ti = {1, 2, "BF16"}; return true;
+    case QT_Q4_0: *ti = {32, 18, "Q4_0"}; return true;
+    case QT_Q4_1: *ti = {32, 20, "Q4_1"}; return true;
+    case QT_Q5_0: *ti = {32, 22, "Q5_0"}; return true;
+    case QT_Q8_0: *ti = {32, 34, "Q8_0"}; return true;
+    case QT_Q4_K: *ti = {256, 144, "Q4_K"}; return true;
+    case QT_Q6_K: *ti = {256, 210, "Q6_K"}; return true;
+    default: return false;
+  }
+}
+
+// Each variant below provides the functions of kernel_variant.h's LinearOps for its types (prepared rows of
+// *_prep_bytes bytes, 64-byte aligned).
+
+// ---- portable path (scalar.cpp): every type, any CPU. A prepared row is x itself.
+int64_t qmm_prep_bytes_scalar(int qtype, int64_t K);
+int64_t qmm_prep_units_scalar(int qtype, int64_t K);
+void qmm_prep_scalar(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool x8);
+bool qmm_rows_scalar(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
+                     int64_t ldy, int64_t n0, int64_t n1, bool x8);
+void attn_group_scalar(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t head_dim,
+                       float scale, float* scores, int64_t lds, float* out);
+
+// ---- AVX-512 fp32 path (qmatmul_avx512.cpp): every type.
 // True when this CPU can run the AVX-512 kernels (F, BW, VL, DQ + FMA/F16C), checked at runtime.
 bool avx512_usable();
 
-// Activation prep for the AVX-512 matmul: x [k, K] -> xp [k, nx] (permuted to the packed weights' lane
-// order, scaled by exact powers of two, zero-padded) and xs [k, ns] (per-block sums of x, for block
-// offsets/mins). Every row is prepared on its own (batch-invariant).
-void qmm_prep_sizes_avx512(int qtype, int64_t K, int64_t* nx, int64_t* ns);
-void qmm_prep_avx512(int qtype, const float* x, int64_t k, int64_t K, float* xp, float* xs);
-
-// y[r * ldy + n] = sum_i x[r][i] * W[n][i]  for r in [0, k), n in [n0, n1), from the prepared xp/xs.
+// A prepared row holds x permuted to the packed weights' lane order, scaled by exact powers of two and
+// zero-padded, then the per-block sums of x (block offsets/mins). One unit per row.
+int64_t qmm_prep_bytes_avx512(int qtype, int64_t K);
+int64_t qmm_prep_units_avx512(int qtype, int64_t K);
+void qmm_prep_avx512(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool x8);
+// y[r * ldy + n] = sum_i x[r][i] * W[n][i]  for r in [0, k), n in [n0, n1), from the prepared rows.
 // W rows are `rb` bytes apart starting at `w`. Per output element the arithmetic depends only on
 // (qtype, K, the row of W, the row of x): never on k, n0, n1 or the thread. Returns false only if a small
-// scratch allocation failed.
-bool qmm_rows_avx512(int qtype, const float* xp, const float* xs, int64_t k, int64_t K, const uint8_t* w, int64_t rb,
-                     float* y, int64_t ldy, int64_t n0, int64_t n1);
+// scratch allocation failed. x8 is not supported (ignored; kernel_variant.cpp never asks it).
+bool qmm_rows_avx512(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
+                     int64_t ldy, int64_t n0, int64_t n1, bool x8);
 
 // Causal attention of one query position for G <= 64 heads sharing one kv head: for each g,
 // out[g*hd + d] = sum_j softmax_j(scale * q_g . k_j) v_j[d] over keys j < L. q holds the G query vectors
@@ -51,12 +84,10 @@ bool vnni_usable();                 // AVX-512 F/BW/VL/DQ + VNNI (+FMA/F16C), ch
 bool qmm_vnni_supports(int qtype);  // the quantized types above
 // Bytes of prepared activation data per row (a multiple of 64); xg must be 64-byte aligned.
 int64_t qmm_prep_bytes_vnni(int qtype, int64_t K);
-// Quantize + lay out the k rows of x [k, K] into xg (rows qmm_prep_bytes_vnni apart); per row, so
+// Quantize and lay out one row's groups of 128 values [G0, G1) (of qmm_prep_units_vnni); per row, so
 // batch-invariant. x8: int8 activations (prep and rows must agree).
-void qmm_prep_vnni(int qtype, const float* x, int64_t k, int64_t K, uint8_t* xg, bool x8);
-// one row's prepared groups [G0, G1) (of qmm_prep_groups_vnni); rows of qmm_prep_bytes_vnni bytes
-int64_t qmm_prep_groups_vnni(int qtype, int64_t K);
-void qmm_prep_range_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1, bool x8);
+int64_t qmm_prep_units_vnni(int qtype, int64_t K);
+void qmm_prep_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1, bool x8);
 // y[r * ldy + n] for r in [0, k), n in [n0, n1); per element the arithmetic depends only on (qtype, K,
 // weight row n, activation row r, x8). Returns false only if a scratch allocation failed.
 bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,

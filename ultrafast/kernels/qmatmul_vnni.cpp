@@ -638,7 +638,7 @@ int64_t qmm_prep_bytes_vnni(int qtype, int64_t K) {
   return n;
 }
 
-int64_t qmm_prep_groups_vnni(int qtype, int64_t K) {
+int64_t qmm_prep_units_vnni(int qtype, int64_t K) {
   return qtype == QT_Q6_K ? K / 128 : (K / 32 + 3) / 4;
 }
 
@@ -655,17 +655,11 @@ void prep_range(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, i
   }
 }
 
-void qmm_prep_range_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1, bool x8) {
+void qmm_prep_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1, bool x8) {
   if (x8)
     prep_range<true>(qtype, x, K, xg, G0, G1);
   else
     prep_range<false>(qtype, x, K, xg, G0, G1);
-}
-
-void qmm_prep_vnni(int qtype, const float* x, int64_t k, int64_t K, uint8_t* xg, bool x8) {
-  const int64_t ldx = qmm_prep_bytes_vnni(qtype, K);
-  const int64_t ng = qmm_prep_groups_vnni(qtype, K);
-  for (int64_t r = 0; r < k; ++r) qmm_prep_range_vnni(qtype, x + r * K, K, xg + r * ldx, 0, ng, x8);
 }
 
 bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
@@ -708,9 +702,8 @@ namespace ultrafast {
 bool vnni_usable() { return false; }
 bool qmm_vnni_supports(int) { return false; }
 int64_t qmm_prep_bytes_vnni(int, int64_t) { return 0; }
-void qmm_prep_vnni(int, const float*, int64_t, int64_t, uint8_t*, bool) {}
-int64_t qmm_prep_groups_vnni(int, int64_t) { return 0; }
-void qmm_prep_range_vnni(int, const float*, int64_t, uint8_t*, int64_t, int64_t, bool) {}
+int64_t qmm_prep_units_vnni(int, int64_t) { return 0; }
+void qmm_prep_vnni(int, const float*, int64_t, uint8_t*, int64_t, int64_t, bool) {}
 bool qmm_rows_vnni(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t,
                    int64_t, bool) {
   return false;

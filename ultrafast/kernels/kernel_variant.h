@@ -1,0 +1,50 @@
+// The seam where a kernel variant plugs in. The one fused decoder layer (decoder_layer.cpp) and the
+// per-op bindings (qmatmul.cpp) never name an ISA: they ask for the linear ops of a weight type and the
+// attention op, and get those of the path in force (kernel_variant.cpp):
+//   vnni-int16   AVX512-VNNI integer kernels (qmatmul_vnni.cpp) for the quantized types, int16 or int8 x;
+//   avx512-fp32  AVX-512 dequantize-in-register + FMA (qmatmul_avx512.cpp), every type;
+//   scalar       portable loops (scalar.cpp), every type, any CPU.
+// A new variant (another ISA, an accelerator) is one more LinearOps table and one more case where the ops
+// are chosen. Every variant keeps the batch-invariance contract: y[r][n] is one fixed sequence of
+// operations that depends only on (type, K, weight row n, activation row r), never on how many rows a call
+// holds, the split of rows between threads or which rows a thread gets.
+// Plain C++ (no torch, no standard-library templates), like qmatmul_kernels.h.
+#pragma once
+#include <stdint.h>
+
+namespace ultrafast {
+
+struct LinearOps {
+  const char* name;
+  // Bytes of one prepared activation row: a multiple of 64, rows laid this far apart from a 64-byte aligned
+  // base.
+  int64_t (*prep_bytes)(int qt, int64_t K);
+  // A row's preparation is cut into this many independent units (threads may share a row).
+  int64_t (*prep_units)(int qt, int64_t K);
+  // Prepare units [u0, u1) of the row x[0, K) into its prepared row xg. x8: int8 activations (VNNI only).
+  void (*prep)(int qt, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool x8);
+  // y[r * ldy + n] = sum_i x[r][i] * W[n][i] for the k prepared rows at xg and weight rows [n0, n1) (rows `rb`
+  // bytes apart from w). False only when a scratch allocation failed.
+  bool (*rows)(int qt, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
+               int64_t ldy, int64_t n0, int64_t n1, bool x8);
+};
+
+// Causal attention of one query position for G heads sharing one kv head (contract of attn_group_avx512 in
+// qmatmul_kernels.h, for any head_dim).
+using AttentionOp = void (*)(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd,
+                             float scale, float* scores, int64_t lds, float* out);
+
+// The path requested for the process: auto (the fastest this CPU runs), fp32 (quantized types stay on the
+// AVX-512 fp32 kernels) or scalar. force_scalar is kept apart for tests that toggle it alone.
+enum class PathRequest : int { Auto = 0, Fp32 = 1, Scalar = 2 };
+void request_path(PathRequest p);
+void force_scalar(bool on);
+
+const char* path_in_use();  // "vnni-int16", "avx512-fp32" or "scalar": the path of the quantized linears
+bool avx512_in_use();       // the AVX-512 kernels (fp32 linears, attention) are in use
+// The ops for a linear of GGML type qt (x8: int8 activations) under the path in force; nullptr when the
+// type is unknown, or x8 is asked of a path without int8 activations.
+const LinearOps* linear_ops(int qt, bool x8);
+AttentionOp attention_op(int64_t hd);
+
+}  // namespace ultrafast
