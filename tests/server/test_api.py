@@ -448,8 +448,8 @@ def test_loadtest_command(env):
     from ultrafast.server.loadtest import LoadTest
 
     p = subprocess.run(EXE + ["loadtest", "--url", env["srv"].url, "--clients", "2", "--seconds", "3",
-                              "--max-tokens", "8", "--probe-tokens", "16", "--api-key", env["keys"]["all"],
-                              "--json"], capture_output=True, text=True, timeout=120)
+                              "--max-tokens", "8", "--probe-tokens", "16", "--solo-seconds", "1",
+                              "--api-key", env["keys"]["all"], "--json"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
     assert rep["completed"] >= 1 and rep["errors"] == {}
@@ -457,5 +457,9 @@ def test_loadtest_command(env):
     assert rep["rss_bytes"]["start"] > 10_000_000 and rep["rss_bytes"]["end"] > 10_000_000
     probe = rep["ultrafast_probe"]
     assert probe["alone"]["tokens"] == 16 and probe["alone"]["tokens_per_s"] > 0 and probe["ratio"] > 0
+    solo = rep["one_client_alone"]
+    assert solo["tier"] == "standard" and solo["requests"] >= 1 and solo["completion_tokens"] >= solo["requests"]
+    assert solo["tokens_per_s"] > 0 and rep["aggregate_over_one_client"] == round(rep["tokens_per_s"] / solo["tokens_per_s"], 2)
     text = LoadTest.format(rep)
+    assert "aggregate / one client" in text
     assert "requests completed" in text and "TTFT standard" in text and "ratio" in text and "server RSS" in text

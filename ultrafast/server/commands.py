@@ -87,6 +87,9 @@ def add_commands(sub) -> None:
     lt.add_argument("--api-key", default=None, help="default: $ULTRAFAST_API_KEY or none")
     lt.add_argument("--probe-tokens", type=int, default=96,
                     help="tokens of the ultrafast probe, alone and under load (0: skip)")
+    lt.add_argument("--solo-seconds", type=float, default=10,
+                    help="first, one client alone for this long (whole requests), to divide the aggregate by "
+                         "(0: skip)")
     lt.add_argument("--json", action="store_true", help="print the results as JSON")
     lt.set_defaults(fn=cmd_loadtest)
 
@@ -191,7 +194,8 @@ def cmd_loadtest(args) -> int:
 
     lt = LoadTest(url=args.url, clients=args.clients, seconds=args.seconds, model=args.model,
                   tier_mix=parse_tier_mix(args.tier_mix), max_tokens=args.max_tokens,
-                  api_key=args.api_key or os.environ.get("ULTRAFAST_API_KEY"), probe_tokens=args.probe_tokens)
+                  api_key=args.api_key or os.environ.get("ULTRAFAST_API_KEY"), probe_tokens=args.probe_tokens,
+                  solo_seconds=args.solo_seconds)
     report = lt.run()
     print(json.dumps(report, indent=1) if args.json else lt.format(report))
     return 0 if report["completed"] > 0 else 1

@@ -1,9 +1,12 @@
 """`ultrafast loadtest`: N concurrent streaming clients against a running server for a bounded time.
 
 It reports requests completed, errors by status, p50/p99 TTFT per tier, aggregate completion tokens/s,
-the server's resident memory (from /metrics) at start and end, and an ultrafast request's decode
-tokens/s alone and under the load, with their ratio (the probe runs once before, unmeasured, so that both
-measurements see the same drafter state). Meant for loopback; every loop stops at the deadline.
+what one client alone gets from the same server just before the load (the same requests, one after another,
+whole) and the aggregate's multiple of it (what batching buys), the server's resident memory (from /metrics)
+at start and end, and an ultrafast request's decode tokens/s alone and under the load, with their ratio (the
+probe runs once before, unmeasured, so that both measurements see the same drafter state). Meant for
+loopback; every loop stops at the deadline. Requests still running at the deadline are cut and their tokens
+not counted, so the aggregate (and the multiple) err low.
 """
 
 from __future__ import annotations
@@ -81,12 +84,13 @@ class _Stats:
 class LoadTest:
     def __init__(self, url: str = "http://127.0.0.1:8000", clients: int = 32, seconds: float = 30,
                  model: str | None = None, tier_mix: dict[str, float] | None = None, max_tokens: int = 64,
-                 api_key: str | None = None, probe_tokens: int = 96):
-        if clients < 1 or seconds <= 0:
-            raise ValueError("--clients must be >= 1 and --seconds > 0")
+                 api_key: str | None = None, probe_tokens: int = 96, solo_seconds: float = 10):
+        if clients < 1 or seconds <= 0 or solo_seconds < 0:
+            raise ValueError("--clients must be >= 1, --seconds > 0 and --solo-seconds >= 0")
         self.url, self.clients, self.seconds, self.model = url.rstrip("/"), clients, seconds, model
         self.tier_mix = tier_mix or {"standard": 1.0}
         self.max_tokens, self.api_key, self.probe_tokens = max_tokens, api_key, probe_tokens
+        self.solo_seconds = solo_seconds
 
     def run(self) -> dict:
         return asyncio.run(self._run())
@@ -151,12 +155,15 @@ class LoadTest:
         tokens = usage["completion_tokens"] if usage else chunks
         return status, (first - t0) if first else None, first, last, tokens, time_info
 
+    def _request(self, rnd: random.Random, tier: str) -> dict:
+        return {"model": self.model, "messages": [{"role": "user", "content": rnd.choice(PROMPTS)}],
+                "max_tokens": self.max_tokens, "temperature": 0.7, "seed": rnd.randrange(1 << 30),
+                "stream": True, "stream_options": {"include_usage": True}, "service_tier": tier}
+
     async def _client(self, http, i: int, tier: str, deadline: float, stats: _Stats) -> None:
         rnd = random.Random(i)
         while time.monotonic() < deadline:
-            body = {"model": self.model, "messages": [{"role": "user", "content": rnd.choice(PROMPTS)}],
-                    "max_tokens": self.max_tokens, "temperature": 0.7, "seed": rnd.randrange(1 << 30),
-                    "stream": True, "stream_options": {"include_usage": True}, "service_tier": tier}
+            body = self._request(rnd, tier)
             try:
                 status, ttft, _, _, tokens, _ = await self._stream(http, body, deadline)
             except Exception as e:  # connection errors count as errors, the loop goes on until the deadline
@@ -174,6 +181,21 @@ class LoadTest:
                 stats.errors[str(status)] += 1
                 if status == 429:
                     await asyncio.sleep(0.2)
+
+    async def _solo(self, http, tier: str) -> dict:
+        """Client 0's requests, one at a time and each run whole, until solo_seconds have passed: what one
+        client alone gets."""
+        rnd = random.Random(0)
+        t0 = time.monotonic()
+        tokens = requests = 0
+        while time.monotonic() - t0 < self.solo_seconds:
+            status, _, _, _, n, _ = await self._stream(http, self._request(rnd, tier), None)
+            if status != 200:
+                return {"error": status}
+            tokens, requests = tokens + n, requests + 1
+        elapsed = time.monotonic() - t0
+        return {"tier": tier, "requests": requests, "completion_tokens": tokens, "seconds": round(elapsed, 2),
+                "tokens_per_s": round(tokens / elapsed, 2) if elapsed > 0 else None}
 
     async def _probe(self, http) -> dict:
         body = {"model": self.model, "messages": [{"role": "user", "content": PROBE_PROMPT}],
@@ -202,8 +224,9 @@ class LoadTest:
                 # alone and under load run with the same drafter state
                 await self._probe(http)
                 probe_alone = await self._probe(http)
-            stats = _Stats()
             tiers = _assign_tiers(self.clients, self.tier_mix)
+            solo = await self._solo(http, tiers[0]) if self.solo_seconds > 0 else None
+            stats = _Stats()
             t0 = time.monotonic()
             deadline = t0 + self.seconds
             tasks = [asyncio.create_task(self._client(http, i, tiers[i], deadline, stats))
@@ -218,11 +241,15 @@ class LoadTest:
         ratio = None
         if probe_alone and probe_load and probe_alone.get("tokens_per_s") and probe_load.get("tokens_per_s"):
             ratio = probe_load["tokens_per_s"] / probe_alone["tokens_per_s"]
+        tps = round(stats.tokens / elapsed, 2) if elapsed else None
+        scaling = None
+        if solo and solo.get("tokens_per_s") and tps is not None:
+            scaling = round(tps / solo["tokens_per_s"], 2)
         return {
             "url": self.url, "model": self.model, "clients": self.clients, "seconds": round(elapsed, 2),
             "tier_mix": self.tier_mix, "completed": stats.completed, "cut_at_deadline": stats.cut,
             "errors": dict(stats.errors), "completion_tokens": stats.tokens,
-            "tokens_per_s": round(stats.tokens / elapsed, 2) if elapsed else None,
+            "tokens_per_s": tps, "one_client_alone": solo, "aggregate_over_one_client": scaling,
             "ttft": {t: {"n": len(v), "p50_s": percentile(v, 50), "p99_s": percentile(v, 99)}
                      for t, v in stats.ttft.items()},
             "rss_bytes": {"start": rss_start, "end": rss_end},
@@ -239,6 +266,15 @@ class LoadTest:
                  f"requests completed: {r['completed']}   errors: {sum(r['errors'].values())} {r['errors'] or ''}   "
                  f"cut at the deadline: {r['cut_at_deadline']}",
                  f"completion tokens: {r['completion_tokens']} ({r['tokens_per_s']} tok/s aggregate)"]
+        solo = r.get("one_client_alone")
+        if solo:
+            if "error" in solo:
+                lines.append(f"one client alone: error {solo['error']}")
+            else:
+                mult = r["aggregate_over_one_client"]
+                lines.append(f"one client alone ({solo['tier']}, just before): {solo['tokens_per_s']} tok/s over "
+                             f"{solo['requests']} requests; aggregate / one client: "
+                             f"{f'{mult:.2f}x' if mult is not None else '-'}")
         for tier, t in sorted(r["ttft"].items()):
             lines.append(f"TTFT {tier}: p50 {s(t['p50_s'])}, p99 {s(t['p99_s'])} over {t['n']} requests")
         rss = r["rss_bytes"]
