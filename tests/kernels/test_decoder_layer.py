@@ -22,10 +22,10 @@ SHAPES = [(H * HD, D), (HKV * HD, D), (HKV * HD, D), (D, H * HD), (F, D), (F, D)
 EPS, THETA = 1e-5, 10000.0
 
 
-def layer_weights(seed=0):
-    raws = [random_weight(t, n, k, seed + i) for i, (t, (n, k)) in enumerate(zip(TYPES, SHAPES))]
+def layer_weights(seed=0, types=TYPES):
+    raws = [random_weight(t, n, k, seed + i) for i, (t, (n, k)) in enumerate(zip(types, SHAPES))]
     # random block bytes give large weights; scale the residual branches down so values stay O(1)
-    dense = [dequant(r, t, k) for r, t, (_, k) in zip(raws, TYPES, SHAPES)]
+    dense = [dequant(r, t, k) for r, t, (_, k) in zip(raws, types, SHAPES)]
     g = torch.Generator().manual_seed(seed)
     biases = [torch.randn(n, generator=g) * 0.1 for n, _ in SHAPES[:3]]
     norms = [torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5]
@@ -76,9 +76,9 @@ def close(got, want, rel=2e-3):
     return err <= rel * want.abs().max().item()
 
 
-def run_layer(x, starts, lens, kcs, vcs, raws, biases, norms, cos, sin):
+def run_layer(x, starts, lens, kcs, vcs, raws, biases, norms, cos, sin, types=TYPES):
     rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
-    return uk.decoder_block(x, starts, lens, norms[0], norms[1], EPS, raws, TYPES, biases, kcs, vcs,
+    return uk.decoder_block(x, starts, lens, norms[0], norms[1], EPS, raws, types, biases, kcs, vcs,
                             cos[rows].contiguous(), sin[rows].contiguous(), H, HKV, HD, 1.0 / math.sqrt(HD))
 
 
@@ -146,19 +146,14 @@ def test_decoder_block_no_bias_one_thread_same_bits(path):  # noqa: F811
 def test_decoder_block_float_linears_and_odd_head_dim(path):  # noqa: F811
     """The fused layer takes any mix of weight types (F16/F32 linears beside quantized ones) and a head_dim
     that is not a multiple of 16 (the attention op then is the portable one)."""
-    global TYPES
-    saved = TYPES
-    TYPES = [uk.F16, uk.Q8_0, uk.F32, uk.Q4_K, uk.BF16, uk.Q6_K, uk.Q4_0]
-    try:
-        raws, dense, biases, norms = layer_weights(seed=7)
-        cos, sin = rope(64)
-        x = torch.randn(3, D, generator=torch.Generator().manual_seed(8))
-        kc, vc = fresh_cache(64, 9)
-        rk, rv = kc.double().clone(), vc.double().clone()
-        y = run_layer(x, [11], [3], [kc], [vc], raws, biases, norms, cos, sin)
-        assert close(y, ref_layer(x, 11, rk, rv, dense, biases, norms, cos, sin))
-    finally:
-        TYPES = saved
+    types = [uk.F16, uk.Q8_0, uk.F32, uk.Q4_K, uk.BF16, uk.Q6_K, uk.Q4_0]
+    raws, dense, biases, norms = layer_weights(seed=7, types=types)
+    cos, sin = rope(64)
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(8))
+    kc, vc = fresh_cache(64, 9)
+    rk, rv = kc.double().clone(), vc.double().clone()
+    y = run_layer(x, [11], [3], [kc], [vc], raws, biases, norms, cos, sin, types=types)
+    assert close(y, ref_layer(x, 11, rk, rv, dense, biases, norms, cos, sin))
     # head_dim 8 (not a multiple of 16): a layer of 4 heads of 8 on the same kind of weights
     hd, nh, d, f = 8, 4, 256, 256
     shapes = [(nh * hd, d), (nh * hd, d), (nh * hd, d), (d, nh * hd), (f, d), (f, d), (d, f)]

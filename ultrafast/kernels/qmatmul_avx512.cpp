@@ -550,11 +550,32 @@ bool rows(const float* xp, const float* xs, int64_t ld, int64_t k, int64_t K, co
   return true;
 }
 
+// One prepared row: x' (nx floats: the values in the weights' lane order, zero-padded) then its block sums
+// (ns floats), padded to 64 bytes; rows are `ld` floats apart.
 template <class T>
-void prep_sizes(int64_t K, int64_t* nx, int64_t* ns) {
-  const int64_t nblk = (K + T::B - 1) / T::B;
-  *nx = nblk * T::B;
-  *ns = nblk * T::XS;
+struct PrepLayout {
+  int64_t nx, ns, ld;
+  explicit PrepLayout(int64_t K) {
+    const int64_t nblk = (K + T::B - 1) / T::B;
+    nx = nblk * T::B;
+    ns = nblk * T::XS;
+    ld = (nx + ns + 15) / 16 * 16;
+  }
+};
+
+template <class T>
+void prep_row(const float* x, int64_t K, uint8_t* xg) {
+  const PrepLayout<T> l(K);
+  float* xp = reinterpret_cast<float*>(xg);
+  T::prep(x, K, l.nx, xp, xp + l.nx);
+}
+
+template <class T>
+bool rows_prepared(const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y, int64_t ldy,
+                   int64_t n0, int64_t n1) {
+  const PrepLayout<T> l(K);
+  const float* xp = reinterpret_cast<const float*>(xg);
+  return rows<T>(xp, xp + l.nx, l.ld, k, K, w, rb, y, ldy, n0, n1);
 }
 
 // exp for x <= 0 (softmax arguments), Cephes expf polynomial with scalef; ~1 ulp.
@@ -651,29 +672,22 @@ UF_INLINE void attn_pv_heads(int G, const float* vc, int64_t L, int64_t hd, cons
   }
 
 int64_t qmm_prep_bytes_avx512(int qtype, int64_t K) {
-  int64_t nx = 0, ns = 0;
-  UF_DISPATCH(qtype, prep_sizes<T>(K, &nx, &ns))
-  return (4 * (nx + ns) + 63) / 64 * 64;
+  int64_t ld = 0;
+  UF_DISPATCH(qtype, ld = PrepLayout<T>(K).ld)
+  return 4 * ld;
 }
 
 int64_t qmm_prep_units_avx512(int, int64_t) { return 1; }
 
 void qmm_prep_avx512(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool) {
   if (u0 >= u1) return;
-  int64_t nx = 0, ns = 0;
-  UF_DISPATCH(qtype, prep_sizes<T>(K, &nx, &ns))
-  float* xp = reinterpret_cast<float*>(xg);
-  UF_DISPATCH(qtype, T::prep(x, K, nx, xp, xp + nx))
+  UF_DISPATCH(qtype, prep_row<T>(x, K, xg))
 }
 
 bool qmm_rows_avx512(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
                      int64_t ldy, int64_t n0, int64_t n1, bool) {
-  int64_t nx = 0, ns = 0;
-  UF_DISPATCH(qtype, prep_sizes<T>(K, &nx, &ns))
-  const float* xp = reinterpret_cast<const float*>(xg);
-  const int64_t ld = qmm_prep_bytes_avx512(qtype, K) / 4;  // x and its sums: rows of ld floats
   bool ok = false;
-  UF_DISPATCH(qtype, ok = rows<T>(xp, xp + nx, ld, k, K, w, rb, y, ldy, n0, n1))
+  UF_DISPATCH(qtype, ok = rows_prepared<T>(xg, k, K, w, rb, y, ldy, n0, n1))
   return ok;
 }
 

@@ -189,7 +189,10 @@ class LoadTest:
         t0 = time.monotonic()
         tokens = requests = 0
         while time.monotonic() - t0 < self.solo_seconds:
-            status, _, _, _, n, _ = await self._stream(http, self._request(rnd, tier), None)
+            try:
+                status, _, _, _, n, _ = await self._stream(http, self._request(rnd, tier), None)
+            except Exception as e:  # a connection error ends the baseline, as a status does; the load still runs
+                return {"error": type(e).__name__}
             if status != 200:
                 return {"error": status}
             tokens, requests = tokens + n, requests + 1
