@@ -463,3 +463,15 @@ def test_loadtest_command(env):
     text = LoadTest.format(rep)
     assert "aggregate / one client" in text
     assert "requests completed" in text and "TTFT standard" in text and "ratio" in text and "server RSS" in text
+
+
+def test_loadtest_without_a_server_is_one_error_line():
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    p = subprocess.run(EXE + ["loadtest", "--url", f"http://127.0.0.1:{port}", "--clients", "1", "--seconds", "1",
+                              "--solo-seconds", "0", "--probe-tokens", "0"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.startswith("error: cannot reach the server at") and "Traceback" not in p.stderr

@@ -93,7 +93,14 @@ class LoadTest:
         self.solo_seconds = solo_seconds
 
     def run(self) -> dict:
-        return asyncio.run(self._run())
+        import httpx
+
+        try:
+            return asyncio.run(self._run())
+        except httpx.TransportError as e:  # no server there (the clients' own errors are counted, not raised)
+            raise ValueError(f"cannot reach the server at {self.url}: {e}") from e
+        except httpx.HTTPStatusError as e:
+            raise ValueError(f"{self.url}: HTTP {e.response.status_code} for {e.request.url.path}") from e
 
     def _headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
