@@ -180,12 +180,16 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
         rate = peak.macs_per_s(activation_bits)
         t_mem = bpt / (bwn * 1e9)
 
-        def physical(k: int) -> float:  # the longer of one pass over the weights and k rows of multiplies
-            return max(t_mem, k * macs / rate)
+        arith = peak.arithmetic_macs_per_s(activation_bits)
+
+        def physical(k: int, r: float = rate) -> float:  # the longer of one pass over the weights and k rows of multiplies
+            return max(t_mem, k * macs / r)
         multiply = {
             "vpdpbusd_per_s": peak.vpdpbusd_per_s, "activation_bits": activation_bits, "macs_per_s": rate,
             "macs_per_token": macs, "macs_per_token_prefill": macs_prefill,
             "physical_r_k": {k: physical(k) / physical(1) for k in ours.r_k},
+            "arithmetic_macs_per_s": arith,
+            "arithmetic_r_k": {k: physical(k, arith) / physical(1, arith) for k in ours.r_k},
             "pct_of_peak_k": {k: 100 * k * macs / ours.forward_s[k] / rate for k in ours.r_k},
             "pct_of_peak_prefill": 100 * ours.prefill_tokens_per_s * macs_prefill / rate,
             "prefill_limit_tokens_per_s": rate / macs_prefill,
@@ -239,6 +243,9 @@ def format_table(r: dict) -> str:
         lines.append(f"multiply peak (measured, {t} threads): {mp['vpdpbusd_per_s'] / 1e9:.2f} G vpdpbusd/s = "
                      f"{mp['macs_per_s'] / 1e9:.0f} G int{mp['activation_bits']} MAC/s; "
                      f"{mp['macs_per_token'] / 1e9:.2f} G MACs per token")
+        lines.append(f"the kernels' arithmetic alone (their instructions per product, register operands, no weight "
+                     f"decode): {mp['arithmetic_macs_per_s'] / 1e9:.0f} G MAC/s = "
+                     f"{100 * mp['arithmetic_macs_per_s'] / mp['macs_per_s']:.0f}% of the peak")
     lines.append("")
     ks = sorted(us["r_k"], key=int)
     lines.append("r(k) = time(k-token forward) / time(1-token forward)")
@@ -247,6 +254,8 @@ def format_table(r: dict) -> str:
     if mp:
         lines.append("physical   " + "".join(f"{mp['physical_r_k'][k]:6.2f}" for k in ks)
                      + "   max(weight stream, k rows of multiplies at peak)")
+        lines.append("arithmetic " + "".join(f"{mp['arithmetic_r_k'][k]:6.2f}" for k in ks)
+                     + "   the same with the kernels' arithmetic at its full rate")
         lines.append("% of peak  " + "".join(f"{mp['pct_of_peak_k'][k]:5.0f}%" for k in ks)
                      + "   multiplies done / time, against the peak")
     if lc:

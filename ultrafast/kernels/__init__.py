@@ -41,7 +41,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -223,6 +223,15 @@ class MultiplyPeak:
 
     threads: int
     vpdpbusd_per_s: float
+    # 128-value products per second with the kernels' own arithmetic (vpdpbusd + shift + convert + scale
+    # multiply + fma per product, register operands, 12 in flight), by activation bits: the ceiling of the
+    # numerics, below the bare multiply peak where the fp32 step shares the multiply units (Zen 4)
+    products_per_s: dict[int, float] = field(default_factory=dict)
+
+    def arithmetic_macs_per_s(self, act_bits: int) -> float:
+        if act_bits not in (8, 16):
+            raise ValueError(f"act_bits must be 16 or 8, got {act_bits!r}")
+        return 128.0 * self.products_per_s[act_bits]
 
     @property
     def int8_macs_per_s(self) -> float:
@@ -244,8 +253,13 @@ def multiply_peak(threads: int | None = None, iters: int = 10_000_000, reps: int
     threads = torch.get_num_threads() if threads is None else int(threads)
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    rate = float(_ext_or_load().vnni_multiply_peak(threads, int(iters), int(reps)))
-    return MultiplyPeak(threads, rate) if rate > 0 else None
+    ext = _ext_or_load()
+    rate = float(ext.vnni_multiply_peak(threads, int(iters), int(reps)))
+    if rate <= 0:
+        return None
+    # a product is 6-10 instructions where a chain step is one: a tenth of the iterations takes as long
+    products = {bits: float(ext.vnni_product_peak(threads, max(1, int(iters) // 10), int(reps), bits)) for bits in (16, 8)}
+    return MultiplyPeak(threads, rate, products)
 
 
 def _ext_or_load():

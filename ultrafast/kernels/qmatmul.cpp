@@ -293,6 +293,24 @@ double vnni_multiply_peak(int64_t threads, int64_t iters, int64_t reps) {
   return best;
 }
 
+// 128-value products per second that `threads` threads sustain together with the kernels' arithmetic (best of
+// `reps` runs of `iters` iterations of 12 independent products each; see vnni_product_chains). 0 without VNNI.
+double vnni_product_peak(int64_t threads, int64_t iters, int64_t reps, int64_t act_bits) {
+  TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "vnni_product_peak: threads, iters and reps must be >= 1");
+  TORCH_CHECK_VALUE(act_bits == 16 || act_bits == 8, "vnni_product_peak: act_bits must be 16 or 8");
+  if (!(avx512_usable() && vnni_usable())) return 0.0;
+  double best = 0.0;
+  std::atomic<int64_t> sink{0};
+  for (int64_t r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads((int)threads)
+    sink += vnni_product_chains(iters, act_bits == 8);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 12.0 * (double)iters * (double)threads / dt);
+  }
+  return best;
+}
+
 }  // namespace
 }  // namespace ultrafast
 
@@ -320,6 +338,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_kernels_path", &ultrafast::set_kernels_path, "auto, vnni (= auto), fp32 or scalar; process-wide");
   m.def("vnni_multiply_peak", &ultrafast::vnni_multiply_peak, "vpdpbusd per second on `threads` threads (0: no VNNI)",
         py::arg("threads"), py::arg("iters") = 10000000, py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
+  m.def("vnni_product_peak", &ultrafast::vnni_product_peak,
+        "128-value products per second with the kernels' arithmetic on `threads` threads (0: no VNNI)",
+        py::arg("threads"), py::arg("iters"), py::arg("reps"), py::arg("act_bits"), py::call_guard<py::gil_scoped_release>());
   m.def("block_info", [](int64_t qtype) {
     ultrafast::TypeInfo ti;
     TORCH_CHECK_VALUE(ultrafast::type_info((int)qtype, &ti), "unsupported GGML type id ", qtype);

@@ -96,5 +96,11 @@ bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uin
 // u8 x s8 multiply-adds) on the calling thread; the rate the units sustain, not one chain's latency. Returns a
 // value derived from the sums so the work cannot be dropped.
 int64_t vnni_dpbusd_chains(int64_t n);
+// The kernels' own arithmetic at full rate: n iterations of 12 independent 128-value products, each the
+// instructions kblock issues for one (weight row, activation row, group) with register operands (int16: 4
+// vpdpbusd + shift; int8: 2 vpdpbusd; then convert, the scale multiply and the fma). No loads, no weight
+// decode: the ceiling of this numerics, below the multiply peak because on Zen 4 the fp32 step shares the
+// multiply units. Returns a value derived from the sums.
+int64_t vnni_product_chains(int64_t n, bool x8);
 
 }  // namespace ultrafast

@@ -684,6 +684,34 @@ int64_t vnni_dpbusd_chains(int64_t n) {
   return _mm512_reduce_add_epi32(s);
 }
 
+template <bool X8>
+int64_t product_chains(int64_t n) {
+  __m512i w0 = _mm512_set1_epi8(3), w1 = _mm512_set1_epi8(5), x0 = _mm512_set1_epi8(7), x1 = _mm512_set1_epi8(9);
+  __m512 d = _mm512_set1_ps(1e-9f), s = _mm512_set1_ps(1.0f);
+  __m512 a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps((float)i);
+  for (int64_t it = 0; it < n; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) {
+      __asm__ volatile("" : "+v"(x0), "+v"(w0));  // each product's operands are new: nothing is shared or hoisted
+      // kblock's arithmetic of one 128-value product (register operands: no loads, no weight decode)
+      __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0);
+      ia = _mm512_dpbusd_epi32(ia, w1, x1);
+      if constexpr (!X8) {
+        ia = _mm512_slli_epi32(ia, 8);
+        ia = _mm512_dpbusd_epi32(ia, w0, x1);
+        ia = _mm512_dpbusd_epi32(ia, w1, x0);
+      }
+      a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(d, s), a[i]);
+    }
+  }
+  float t = 0.0f;
+  for (int i = 0; i < 12; ++i) t += _mm512_reduce_add_ps(a[i]);
+  return (int64_t)t;
+}
+
+int64_t vnni_product_chains(int64_t n, bool x8) { return x8 ? product_chains<true>(n) : product_chains<false>(n); }
+
 }  // namespace ultrafast
 
 #if defined(__clang__)
@@ -705,6 +733,7 @@ bool qmm_rows_vnni(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_
   return false;
 }
 int64_t vnni_dpbusd_chains(int64_t) { return 0; }
+int64_t vnni_product_chains(int64_t, bool) { return 0; }
 }  // namespace ultrafast
 
 #endif
