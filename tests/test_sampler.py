@@ -55,7 +55,30 @@ def test_seeded_sampling_is_reproducible():
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=2),
                                     dict(top_k=-1), dict(max_tokens=0), dict(repetition_penalty=0),
-                                    dict(stop=[""])])
+                                    dict(repetition_penalty=1e-320), dict(repetition_penalty=1e300),
+                                    dict(seed=2**64), dict(seed=-(2**63) - 1), dict(seed=1.5), dict(stop=[""])])
 def test_invalid_params_are_rejected(kwargs):
     with pytest.raises(SamplingError):
         SamplingParams(**kwargs)
+
+
+def test_seed_range_ends_are_accepted():
+    for seed in (-(2**63), 2**64 - 1):
+        SamplingParams(temperature=1.0, seed=seed).generator()
+
+
+def test_tiny_sampling_values_are_their_limits_not_nan():
+    """temperature -> 0 is the argmax; a top_p below float32's range keeps the top token (issue: temperature
+    1e-40 or top_p 1e-320 gave a NaN distribution and garbage text)."""
+    logits = torch.tensor([1.0, 3.0, 2.5, -4.0, 3.0 - 1e-3])
+    for params in (SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-30),
+                   SamplingParams(temperature=0.7, top_p=1e-320), SamplingParams(temperature=1e-40, top_p=1e-320)):
+        p = probabilities(logits, params)
+        assert torch.isfinite(p).all() and p.tolist() == [0.0, 1.0, 0.0, 0.0, 0.0], params
+        s = Sampler(SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=3), [])
+        assert [s.sample(logits) for _ in range(5)] == [1] * 5
+    # a tie at the top in the limit: the two share the mass
+    p = probabilities(torch.tensor([2.0, 5.0, 5.0]), SamplingParams(temperature=1e-40))
+    assert p.tolist() == [0.0, 0.5, 0.5]
+    # ordinary temperatures are untouched by the limit's path
+    assert torch.equal(probabilities(logits, SamplingParams(temperature=0.5)), torch.softmax(logits / 0.5, dim=-1))

@@ -19,6 +19,14 @@ class SamplingError(ValueError):
     pass
 
 
+# A penalty divides or multiplies logits: far outside this range they overflow float32 (a penalty of 1e-320
+# turned every seen token's logit into inf and the distribution into NaN); no use of it needs more.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# torch.Generator takes seeds from -2**63 to 2**64 - 1; the API's seed is an int64 (the server adds the choice
+# index for n > 1, which stays inside).
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0
@@ -37,7 +45,10 @@ class SamplingParams:
             (self.top_k >= 0, "top_k must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
+             f"repetition_penalty must be in [{REPETITION_PENALTY_RANGE[0]}, {REPETITION_PENALTY_RANGE[1]}]"),
+            (self.seed is None or (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+             "seed must be a 64-bit integer"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
         ]
@@ -82,7 +93,12 @@ def apply_repetition_penalty(logits: torch.Tensor, history, penalty: float) -> t
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """logits [V] (already penalised) -> the sampling distribution [V] (float32, sums to 1)."""
-    logits = logits.float() / p.temperature
+    x = logits.float()
+    logits = x / p.temperature
+    if not bool(torch.isfinite(logits.max())):
+        # a temperature so small that the top logits overflow: its limit, the mass on the top logit(s) (shifted
+        # first, the top one(s) are 0 and every other one -inf)
+        logits = (x - x.max()) / p.temperature
     if p.top_k and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -91,6 +107,7 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_p, order = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)
         drop = (cum - sorted_p) >= p.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop[0] = False  # and always the top token (a top_p below float32's range rounds to 0 here)
         probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)

@@ -475,3 +475,72 @@ def test_loadtest_without_a_server_is_one_error_line():
                               "--solo-seconds", "0", "--probe-tokens", "0"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert p.stderr.startswith("error: cannot reach the server at") and "Traceback" not in p.stderr
+
+
+def test_prefix_cache_never_crosses_keys(env):
+    """A cached prefix serves only the key whose prompt wrote it (issue: key B read key A's PIN digit by digit
+    from `cached_tokens`). The count is the engine's own (rows it reused rather than computed), so a 0 also
+    means B's prefill computed every row: no time-to-first-token difference either."""
+    secret = "Vault log. Never share this. The PIN for account 77 is 9 2 4 7. " * 4
+    a = client(env, "all").completions.create(model=MODEL, prompt=secret, max_tokens=2, temperature=0)
+    assert a.usage.prompt_tokens > 40
+    head = secret[:secret.index(" is ") + 3]
+
+    def b_cached(prompt: str) -> int:
+        b = client(env, "std").completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+        assert ledger_row(env, b.id)["cached_tokens"] == b.usage.prompt_tokens_details.cached_tokens
+        return b.usage.prompt_tokens_details.cached_tokens
+
+    assert b_cached(secret) == 0  # A's very text: nothing of it comes from A's rows
+    # guessing digit by digit: after the same own history (a wrong guess), the right digit is worth no more
+    # cached tokens than another wrong one; B reuses only its own rows
+    b_cached(head + " 1")
+    right = b_cached(head + " 9")
+    b_cached(head + " 1")
+    wrong = b_cached(head + " 5")
+    assert right == wrong > 0
+    # the owner still gets its own prefix back
+    a2 = client(env, "all").completions.create(model=MODEL, prompt=secret, max_tokens=2, temperature=0)
+    assert a2.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens - 2
+
+
+def _ledger_rows(env) -> int:
+    with sqlite3.connect(env["db"]) as db:
+        return db.execute("SELECT COUNT(*) FROM ledger").fetchone()[0]
+
+
+def test_out_of_range_values_are_400s_and_unbilled(env):
+    """Reported as 500s (and billed): seeds outside int64, a lone surrogate in a completions prompt, and a
+    repetition_penalty so small that the logits overflow."""
+    rows = _ledger_rows(env)
+    with raw(env) as h:
+        for body, url, param in [
+            ({"model": MODEL, "messages": HELLO, "temperature": 0.8, "seed": 18446744073709551616},
+             "/v1/chat/completions", "seed"),
+            ({"model": MODEL, "messages": HELLO, "temperature": 0.8, "seed": -9223372036854775809},
+             "/v1/chat/completions", "seed"),
+            ({"model": MODEL, "messages": HELLO, "temperature": 0.8, "seed": 2**64 - 1, "n": 2},
+             "/v1/chat/completions", "seed"),
+            ({"model": MODEL, "prompt": "a\ud800b", "max_tokens": 2}, "/v1/completions", "prompt"),
+            ({"model": MODEL, "prompt": ["fine", "a\udc00"], "max_tokens": 2}, "/v1/completions", "prompt.1"),
+            ({"model": MODEL, "messages": HELLO, "temperature": 0.8, "repetition_penalty": 1e-320},
+             "/v1/chat/completions", "repetition_penalty"),
+        ]:
+            # json.dumps escapes the surrogate as JSON allows ("\ud800"); httpx's json= would refuse to send it
+            err = _error(h.post(url, content=json.dumps(body), headers={"content-type": "application/json"}), 400)
+            assert err["param"] == param and err["type"] == "invalid_request_error", (body, err)
+    assert _ledger_rows(env) == rows  # refused before anything ran: nothing billed
+    # the ends of the range are fine
+    r = client(env).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, temperature=0.8,
+                                            seed=2**63 - 1, n=2)
+    assert len(r.choices) == 2
+    assert_serving(env)
+
+
+def test_tiny_sampling_values_give_the_greedy_text(env):
+    """temperature 1e-40 or top_p 1e-320 gave "ectableectable..." (a NaN distribution); their limit is the
+    argmax, so the text is the greedy one."""
+    greedy = chat(env, messages=HELLO, max_tokens=8, temperature=0).choices[0].message.content
+    for kw in ({"temperature": 1e-40}, {"temperature": 0.7, "top_p": 1e-320}):
+        r = client(env).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, seed=1, **kw)
+        assert r.choices[0].message.content == greedy, kw

@@ -362,6 +362,11 @@ def _install_routes(app: FastAPI) -> None:
             if isinstance(p, str):
                 if not p:
                     raise InvalidRequest("the prompt is empty", param=param)
+                try:
+                    p.encode("utf-8")
+                except UnicodeEncodeError as e:  # e.g. a lone surrogate: JSON allows "\ud800", UTF-8 does not
+                    raise InvalidRequest(f"the prompt is not valid Unicode: {e.reason} at position {e.start}",
+                                         param=param) from None
                 ids = await asyncio.to_thread(engine.raw_prompt, p)
             else:
                 ids = list(p)

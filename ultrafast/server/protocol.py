@@ -14,6 +14,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..sampler import REPETITION_PENALTY_RANGE
+
 MAX_N = 8
 MAX_STOP = 4
 
@@ -54,7 +56,7 @@ class _Sampling(_Request):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer")
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     logit_bias: Optional[dict[str, float]] = None
@@ -64,7 +66,7 @@ class _Sampling(_Request):
     # extensions (vLLM's names)
     top_k: Optional[int] = Field(None, ge=0)
     min_p: Optional[float] = Field(None, ge=0, le=1)
-    repetition_penalty: Optional[float] = Field(None, gt=0)
+    repetition_penalty: Optional[float] = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: Optional[bool] = False
 
 

@@ -11,7 +11,9 @@ admitted first and advanced first, `ultrafast_weight` steps per round to the sta
 
 Prefix caching: a new candidate goes to the free slot whose `cache.tokens` shares the longest prefix
 with its prompt (an agent re-sending its growing conversation prefills only the new part); the engine
-reuses those rows and reports them as cached tokens.
+reuses those rows and reports them as cached tokens. A slot's rows serve only the tenant (API key; the
+local user is one tenant) whose prompt wrote them: a slot taken by another tenant forgets its rows first,
+so neither `cached_tokens` nor the time to the first token tells one key anything of another's prompts.
 
 n > 1: the candidates of one prompt share its prefill. The first one is admitted alone; once it has
 prefilled, each sibling copies the prompt's KV rows into its own slot (`dst.k[:, :, :m] = src.k[:, :, :m]`,
@@ -49,6 +51,7 @@ class Slot:
     cache: Any  # KVCache
     owner: "Candidate | None" = None
     last_used: float = 0.0
+    tenant: str | None = None  # whose prompt wrote the rows in `cache` (Principal.key_id; None: the local user)
 
 
 @dataclass
@@ -313,8 +316,13 @@ class ModelWorker:
                         i += 1
                         continue
                     del dq[i]
-                    slot = max(free, key=lambda s: (s.cache.reusable_prefix(c.prompt_ids), -s.last_used))
+                    tenant = c.req.principal.key_id
+                    slot = max(free, key=lambda s: (s.cache.reusable_prefix(c.prompt_ids) if s.tenant == tenant
+                                                    else 0, -s.last_used))
                     free.remove(slot)
+                    if slot.tenant != tenant:  # another tenant's rows are never reused: forget them
+                        slot.cache.tokens = []
+                        slot.tenant = tenant
                     slot.owner, c.slot, c.state = c, slot, "active"
                     c.req.source.setdefault(c.group, c)  # the first of its prompt prefills it
                     admitted.append(c)
