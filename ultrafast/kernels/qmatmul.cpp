@@ -276,21 +276,28 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
   return x;
 }
 
-// vpdpbusd instructions per second that `threads` threads sustain together (best of `reps` runs of `iters`
-// iterations of 12 independent chains each): the multiply limit of the VNNI kernels. 0 without VNNI.
-double vnni_multiply_peak(int64_t threads, int64_t iters, int64_t reps) {
-  TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "vnni_multiply_peak: threads, iters and reps must be >= 1");
-  if (!(avx512_usable() && vnni_usable())) return 0.0;
+// 12 * iters * threads units per second when `threads` threads each run `chains(iters)` together, the best of
+// `reps` runs (the loops keep their sums, so the work cannot be dropped).
+template <class F>
+double best_rate(int64_t threads, int64_t iters, int64_t reps, F chains) {
   double best = 0.0;
   std::atomic<int64_t> sink{0};
   for (int64_t r = 0; r < reps; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads((int)threads)
-    sink += vnni_dpbusd_chains(iters);  // the sums are kept, so the work cannot be dropped
+    sink += chains(iters);
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     best = std::max(best, 12.0 * (double)iters * (double)threads / dt);
   }
   return best;
+}
+
+// vpdpbusd instructions per second that `threads` threads sustain together (best of `reps` runs of `iters`
+// iterations of 12 independent chains each): the multiply limit of the VNNI kernels. 0 without VNNI.
+double vnni_multiply_peak(int64_t threads, int64_t iters, int64_t reps) {
+  TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "vnni_multiply_peak: threads, iters and reps must be >= 1");
+  if (!(avx512_usable() && vnni_usable())) return 0.0;
+  return best_rate(threads, iters, reps, [](int64_t n) { return vnni_dpbusd_chains(n); });
 }
 
 // 128-value products per second that `threads` threads sustain together with the kernels' arithmetic (best of
@@ -299,16 +306,8 @@ double vnni_product_peak(int64_t threads, int64_t iters, int64_t reps, int64_t a
   TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "vnni_product_peak: threads, iters and reps must be >= 1");
   TORCH_CHECK_VALUE(act_bits == 16 || act_bits == 8, "vnni_product_peak: act_bits must be 16 or 8");
   if (!(avx512_usable() && vnni_usable())) return 0.0;
-  double best = 0.0;
-  std::atomic<int64_t> sink{0};
-  for (int64_t r = 0; r < reps; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel num_threads((int)threads)
-    sink += vnni_product_chains(iters, act_bits == 8);
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, 12.0 * (double)iters * (double)threads / dt);
-  }
-  return best;
+  const bool x8 = act_bits == 8;
+  return best_rate(threads, iters, reps, [x8](int64_t n) { return vnni_product_chains(n, x8); });
 }
 
 }  // namespace
