@@ -531,3 +531,19 @@ def test_worker_builds_its_engine_with_the_drafters(tmp_path, smollm_path):
     assert engine.self_spec_layers == [0, 1, 2, 3, 25, 26, 27, 28, 29]
     stepper = engine.stepper("ultrafast")
     assert [d.name for d in stepper.drafters] == ["self_spec", "draft_model"]
+
+
+def test_sqlite_ledger_is_created_owner_only(tmp_path):
+    """The database holds spend and key hashes: created 0600 (it was 0644), and so are SQLite's -wal/-shm."""
+    import os
+    import stat
+
+    from ultrafast.server.auth import KeyStore
+    from ultrafast.server.db import Database
+
+    path = tmp_path / "sub" / "ledger.db"
+    KeyStore(Database(path)).create("someone", "standard")  # creates the file and writes to it
+    for p in [path] + [path.with_name(path.name + s) for s in ("-wal", "-shm")]:
+        if p.exists():
+            assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
+    assert path.exists()

@@ -101,6 +101,10 @@ class Database:
 
     def _connect(self):
         if self.kind == "sqlite":
+            if self.target != ":memory:":
+                # created owner-only: it holds spend and key hashes (SQLite gives its -wal and -shm files the
+                # database file's permissions)
+                os.close(os.open(self.target, os.O_CREAT | os.O_RDWR, 0o600))
             conn = sqlite3.connect(self.target, timeout=30, isolation_level=None, check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
             # NORMAL with WAL: a commit survives a killed process (only a power cut can lose the last ones)
