@@ -41,7 +41,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -226,7 +226,7 @@ class MultiplyPeak:
     # 128-value products per second with the kernels' own arithmetic (vpdpbusd + shift + convert + scale
     # multiply + fma per product, register operands, 12 in flight), by activation bits: the ceiling of the
     # numerics, below the bare multiply peak where the fp32 step shares the multiply units (Zen 4)
-    products_per_s: dict[int, float] = field(default_factory=dict)
+    products_per_s: dict[int, float]
 
     def arithmetic_macs_per_s(self, act_bits: int) -> float:
         if act_bits not in (8, 16):
