@@ -26,8 +26,14 @@ def test_bench_report(smollm_path):
             assert mp["physical_r_k"][k] == pytest.approx(want)
             assert 0 < mp["pct_of_peak_k"][k] < 100
         assert mp["physical_r_k"][1] == 1.0 and mp["physical_r_k"][4] >= mp["physical_r_k"][2] >= 1.0
-        for k in (1, 2, 3, 4):  # the kernels' arithmetic is never faster than the bare multiplies
-            assert mp["arithmetic_r_k"][k] >= 0.9 * mp["physical_r_k"][k]
+        # the same bound at the rate of the kernels' own arithmetic (two timings on a shared machine: their order
+        # is not asserted, the formula and the monotonicity are)
+        arith = mp["arithmetic_macs_per_s"]
+        assert arith > 0
+        for k in (1, 2, 3, 4):
+            want = max(t_mem, k * mp["macs_per_token"] / arith) / max(t_mem, mp["macs_per_token"] / arith)
+            assert mp["arithmetic_r_k"][k] == pytest.approx(want)
+        assert mp["arithmetic_r_k"][1] == 1.0 and mp["arithmetic_r_k"][4] >= mp["arithmetic_r_k"][2] >= 1.0
         assert "arithmetic" in table
         assert 0 < mp["pct_of_peak_prefill"] < 100 and mp["macs_per_token_prefill"] < mp["macs_per_token"]
         assert "physical" in table and "% of peak" in table and "multiply peak" in table
