@@ -39,7 +39,7 @@ class BadDrafter:
     def begin(self, prompt_ids):
         pass
 
-    def propose(self, context, k):
+    def propose(self, context, k, sampler=None):
         return [self.rng.randrange(self.vocab) for _ in range(k)]
 
     def end(self, context):
@@ -179,7 +179,7 @@ class _WrongDrafter:
     def begin(self, prompt_ids):
         pass
 
-    def propose(self, context, k):
+    def propose(self, context, k, sampler=None):
         return [2] * k
 
     def end(self, context):
@@ -212,7 +212,7 @@ class _TwoKindsDrafter:
     def begin(self, prompt_ids):
         pass
 
-    def propose(self, context, k):
+    def propose(self, context, k, sampler=None):
         self.calls += 1
         long = self.calls % 2 == 0
         self.match_len = 20 if long else 1
@@ -259,7 +259,7 @@ def test_expected_speedup():
 class _Empty(_WrongDrafter):
     name = "empty"
 
-    def propose(self, context, k):
+    def propose(self, context, k, sampler=None):
         return []
 
 
@@ -314,7 +314,7 @@ class _CostlyRight:
     def catch_up_cost(self, context):
         return self.catch_up
 
-    def propose(self, context, k):
+    def propose(self, context, k, sampler=None):
         return [1] * k
 
     def end(self, context):

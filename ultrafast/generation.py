@@ -21,6 +21,9 @@ from .sampler import Sampler, SamplingParams
 class StreamEvent:
     token_id: int
     text: str  # newly completed text (may be empty while a UTF-8 sequence or a possible stop string is pending)
+    # with SamplingParams.logprobs: the records of the tokens this event delivers (its own token's; the final
+    # event also those of tokens whose text a stop string cut), so that a stream's records are the output's
+    logprobs: list = field(default_factory=list)
 
 
 @dataclass
@@ -36,6 +39,7 @@ class GenerationResult:
     cached_tokens: int = 0  # prompt tokens whose KV rows were reused from the cache
     tier: str = "standard"
     spec: dict = field(default_factory=dict)  # tau, verify passes, acceptance per drafter
+    logprobs: list | None = None  # with SamplingParams.logprobs: one TokenLogprob per token in token_ids
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -92,6 +96,7 @@ class Generation:
         self.out_ids: list[int] = []
         self.text, self.emitted = "", 0  # text decoded so far; how much of it has gone out in events
         self.events: list[StreamEvent] = []
+        self.lp_sent = 0  # how many tokens' logprob records have gone out in events
         self.finish: str | None = None
         self.result: GenerationResult | None = None
         self.pos = 0  # where the next fed token goes (rows below it hold prompt + output)
@@ -148,7 +153,8 @@ class Generation:
                 self.text, self.finish = self.text[:stop_at], "stop"
                 break
             safe = len(self.text) - self.hold if p.stop else len(self.text)
-            self.events.append(StreamEvent(tok, self.text[self.emitted:safe] if safe > self.emitted else ""))
+            self.events.append(StreamEvent(tok, self.text[self.emitted:safe] if safe > self.emitted else "",
+                                           self._records()))
             self.emitted = max(self.emitted, safe)
             if len(self.out_ids) >= self.budget:
                 self.finish = "length"
@@ -161,15 +167,26 @@ class Generation:
         self.stepper.end(self.prompt + self.out_ids)
         if self.finish == "length":
             self.text += self.decoder.flush()
-        if len(self.text) > self.emitted:
-            self.events.append(StreamEvent(self.out_ids[-1] if self.out_ids else -1, self.text[self.emitted:]))
+        records = self._records()
+        if len(self.text) > self.emitted or records:
+            self.events.append(StreamEvent(self.out_ids[-1] if self.out_ids else -1, self.text[self.emitted:],
+                                           records))
             self.emitted = len(self.text)
         self.result = GenerationResult(
             token_ids=self.out_ids, text=self.text, prompt_tokens=len(self.prompt),
             completion_tokens=self.n_sampled, finish_reason=self.finish, ttft_s=self.ttft,
             decode_s=time.perf_counter() - self.t0 - self.ttft, cached_tokens=self.reused,
             weight_bytes_per_token=self.engine.weight_bytes_per_token, tier=self.tier,
-            spec=self.stepper.stats.to_json())
+            spec=self.stepper.stats.to_json(),
+            logprobs=None if self.sampler.logprobs is None else self.sampler.logprobs[:len(self.out_ids)])
+
+    def _records(self) -> list:
+        """The logprob records of output tokens not yet delivered in an event (none when not recording)."""
+        rec = self.sampler.logprobs
+        if rec is None:
+            return []
+        new, self.lp_sent = rec[self.lp_sent:len(self.out_ids)], len(self.out_ids)
+        return new
 
     def close(self) -> None:
         """Record which rows the cache now holds truthfully; safe to call early (a client went away)."""

@@ -2,10 +2,18 @@
 
 Greedy is argmax. Otherwise the logits pass through repetition penalty, temperature, top-k, top-p and
 min-p into a distribution, and one uniform number u from the request's seeded generator picks the
-token by inverse CDF. Exactly one u is drawn per emitted token, so a generation is a function of
-(model, prompt, params, seed): the ultrafast tier with lookup drafters, which verifies several positions per
-pass, draws the same u for the same position and therefore emits the same tokens as the standard tier. With
-a draft model sampling its drafts (verifier.verify_sampled) the tokens differ, their distribution does not.
+token by inverse CDF. Exactly one u is drawn per emitted token, in order, so a generation is a function of
+(model, prompt, params, seed), whichever tier runs it and whatever drafts it verifies.
+
+A drafter that samples (a draft model, self-speculation) samples its draft for the position i ahead by inverse
+CDF of its own distribution with the very u the target will draw there (`Sampler.draft`: peeked, not
+consumed); the target then keeps the draft exactly when its own sample there equals it. Close distributions
+pick the same token from the same u, so sampled drafts are accepted often, and the emitted tokens are the
+standard tier's, token for token.
+
+When asked (`SamplingParams.logprobs`), the sampler records the log-probability of every token it emits (and
+the top alternatives) under the model's own distribution: the log-softmax of the raw logits, before penalty,
+temperature and truncation, as OpenAI reports them.
 """
 
 from __future__ import annotations
@@ -25,6 +33,14 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 # torch.Generator takes seeds from -2**63 to 2**64 - 1; the API's seed is an int64 (the server adds the choice
 # index for n > 1, which stays inside).
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
 @dataclass
@@ -38,6 +54,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # record each emitted token's logprob and this many alternatives; None: off
 
     def __post_init__(self):
         checks = [
@@ -51,6 +68,8 @@ class SamplingParams:
              "seed must be a 64-bit integer"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"logprobs (alternatives per token) must be in [0, {MAX_TOP_LOGPROBS}]"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -66,16 +85,6 @@ class SamplingParams:
             g.seed()
         else:
             g.manual_seed(self.seed)
-        return g
-
-    def draft_generator(self) -> torch.Generator:
-        """The generator a draft model samples its drafts with: seeded from `seed` too, but a stream apart
-        from the request's own, which stays one uniform per emitted token."""
-        g = torch.Generator()
-        if self.seed is None:
-            g.seed()
-        else:
-            g.manual_seed((self.seed * 0x9E3779B1 + 0x7F4A7C15) % (1 << 63))
         return g
 
 
@@ -125,36 +134,51 @@ def sample_from(probs: torch.Tensor, u: float) -> int:
 
 
 class Sampler:
-    """Per-request sampling state: the params, the seeded generator, the token history."""
+    """Per-request sampling state: the params, the seeded stream of uniforms, the token history and, when
+    asked, the record of emitted tokens' logprobs."""
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int]):
         self.params = params
         self.gen = None if params.greedy else params.generator()
-        self._draft_gen = None
+        self._ahead: list[float] = []  # uniforms drawn from the stream but not used yet (peeked by drafters)
         self.history = list(prompt_ids)
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
 
     def distribution(self, logits: torch.Tensor, history: list[int] | None = None) -> torch.Tensor:
         hist = self.history if history is None else history
         logits = apply_repetition_penalty(logits, hist, self.params.repetition_penalty)
         return probabilities(logits, self.params)
 
-    def next_uniform(self) -> float:
-        return float(torch.rand(1, generator=self.gen, dtype=torch.float64))
+    def uniform(self, ahead: int = 0) -> float:
+        """The uniform the sample `ahead` positions from now will use (0: the next one); not consumed."""
+        while len(self._ahead) <= ahead:
+            self._ahead.append(float(torch.rand(1, generator=self.gen, dtype=torch.float64)))
+        return self._ahead[ahead]
 
-    def draft_sample(self, logits: torch.Tensor, history: list[int]) -> tuple[int, torch.Tensor]:
-        """For a draft model at temperature > 0: a token drawn from its logits under this request's transform,
-        and that distribution q (verify_sampled needs both). Draws from the draft generator, not the request's."""
-        if self._draft_gen is None:
-            self._draft_gen = self.params.draft_generator()
-        q = self.distribution(logits, history)
-        return sample_from(q, float(torch.rand(1, generator=self._draft_gen, dtype=torch.float64))), q
+    def draft(self, logits: torch.Tensor, history: list[int], ahead: int) -> int:
+        """A drafter's token for the position `ahead` positions from now, from its own logits there and the
+        tokens before it: what this sampler would emit there if the target's logits were these (greedy: the
+        argmax after the penalty; sampled: the inverse CDF at the very uniform the target will use)."""
+        if self.params.greedy:
+            return int(torch.argmax(apply_repetition_penalty(logits, history, self.params.repetition_penalty)))
+        return sample_from(self.distribution(logits, history), self.uniform(ahead))
 
     def sample(self, logits: torch.Tensor) -> int:
-        """logits [V] for the next position -> token id; records it in the history."""
+        """logits [V] for the next position -> token id; records it in the history (and its logprobs)."""
         if self.params.greedy:
-            logits = apply_repetition_penalty(logits, self.history, self.params.repetition_penalty)
-            tok = int(torch.argmax(logits))
+            tok = int(torch.argmax(apply_repetition_penalty(logits, self.history, self.params.repetition_penalty)))
         else:
-            tok = sample_from(self.distribution(logits), self.next_uniform())
+            tok = sample_from(self.distribution(logits), self.uniform(0))
+            self._ahead.pop(0)
         self.history.append(tok)
+        if self.logprobs is not None:
+            self.logprobs.append(self._logprob(logits, tok))
         return tok
+
+    def _logprob(self, logits: torch.Tensor, tok: int) -> TokenLogprob:
+        lp = torch.log_softmax(logits.float().reshape(-1), dim=-1)
+        top = []
+        if self.params.logprobs:
+            vals, idx = torch.topk(lp, self.params.logprobs)
+            top = [(int(i), float(v)) for i, v in zip(idx, vals)]
+        return TokenLogprob(tok, float(lp[tok]), top)

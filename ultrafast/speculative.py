@@ -3,9 +3,8 @@ itself would have produced.
 
 Verification runs the last emitted token and the k drafts through the model in one forward (the packed
 kernels make the logits of those k+1 rows bit-identical to k+1 one-token forwards), then walks the
-positions in order (`verifier.py`): with the request's own sampler for lookup drafts and greedy requests
-(the tokens are the standard tier's), with the speculative-sampling rule for drafts a draft model sampled
-(the distribution is the target's). The KV cache needs no copy to roll back: rows written for rejected
+positions in order with the request's own sampler (`verifier.py`), so the tokens are the standard tier's, for
+greedy and seeded sampled requests alike. The KV cache needs no copy to roll back: rows written for rejected
 drafts lie beyond the new position and are overwritten before anything attends to them.
 
 The adaptive policy picks k per pass from the drafter's recent per-token acceptance rate a and the
@@ -23,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from .verifier import verify_point_mass, verify_sampled
+from .verifier import verify
 
 
 @dataclass
@@ -170,19 +169,16 @@ class SpeculativeStepper:
 
     def _draft(self, sampler, limit: int):
         """Ask drafters in order of recent acceptance; take the first that proposes something worth verifying.
-        Returns (drafter, drafts, q, match class): q, the draft distributions, only for drafts sampled from
-        one (a draft model at temperature > 0), else None; the match class 0 for a drafter that is no lookup."""
+        Returns (drafter, drafts, match class): the match class 0 for a drafter that is no lookup."""
         context = sampler.history
-        params = getattr(sampler, "params", None)
-        sampling = params is not None and not params.greedy
         if self.fixed_k is not None:
-            return self._draft_fixed(context, sampler, sampling, min(self.fixed_k, limit))
+            return self._draft_fixed(context, sampler, min(self.fixed_k, limit))
         order = sorted(self.drafters, key=lambda d: -self.stats.by_drafter[d.name].rate)
         for d in order:
             st = self.stats.by_drafter[d.name]
             cost = getattr(d, "cost_per_token", 0.0)
             if cost == 0.0:  # a lookup: ask first (it is free), then size k by the acceptance of its match class
-                drafts = d.propose(context, limit)[:limit]
+                drafts = d.propose(context, limit, sampler)[:limit]
                 if not drafts:
                     continue
                 cls = match_class(getattr(d, "match_len", 0))
@@ -190,7 +186,7 @@ class SpeculativeStepper:
                 if k == 0 and self._plain_run >= self.probe_interval():
                     k = 1
                 if k > 0:
-                    return d, drafts[:k], None, cls
+                    return d, drafts[:k], cls
                 continue
             # a draft model first feeds what its cache lacks (the whole prompt, the first time): charged too
             catch_up = d.catch_up_cost(context) if hasattr(d, "catch_up_cost") else 0.0
@@ -201,28 +197,28 @@ class SpeculativeStepper:
                 k = 1
             if k == 0:
                 continue
-            drafts, q = _propose(d, context, k, sampler, sampling)
+            drafts = d.propose(context, k, sampler)[:k]
             if drafts:
-                return d, drafts, q, 0
-        return None, [], None, 0
+                return d, drafts, 0
+        return None, [], 0
 
-    def _draft_fixed(self, context, sampler, sampling: bool, k: int):
+    def _draft_fixed(self, context, sampler, k: int):
         """k drafts from the drafter whose turn it is (or the next that proposes any)."""
         n = len(self.drafters)
         for i in range(n):
             d = self.drafters[(self._turn + i) % n]
-            drafts, q = _propose(d, context, k, sampler, sampling)
+            drafts = d.propose(context, k, sampler)[:k]
             if drafts:
                 self._turn = (self._turn + i + 1) % n
-                return d, drafts, q, match_class(getattr(d, "match_len", 0))
+                return d, drafts, match_class(getattr(d, "match_len", 0))
         self._turn = (self._turn + 1) % n
-        return None, [], None, 0
+        return None, [], 0
 
     def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
         """Emit the tokens after `tok` (at `pos`); `limit` bounds how many this pass may produce."""
-        drafter, drafts, q, cls = self._draft(sampler, min(self.max_k, limit - 1)) if limit > 1 else (None, [], None, 0)
+        drafter, drafts, cls = self._draft(sampler, min(self.max_k, limit - 1)) if limit > 1 else (None, [], 0)
         logits = self.engine._forward([tok] + drafts, pos, all_logits=bool(drafts), cache=self.cache)
-        out = verify_point_mass(logits, drafts, sampler) if q is None else verify_sampled(logits, drafts, q, sampler)
+        out = verify(logits, drafts, sampler)
         self.stats.verify_passes += 1
         self.stats.emitted += len(out)
         self.stats.cost += self.r[len(drafts) + 1]
@@ -240,15 +236,6 @@ class SpeculativeStepper:
             st.rate = (1 - self.EMA) * st.rate + self.EMA * (accepted / trials)
             st.rates[cls] = (1 - self.EMA) * st.rates.get(cls, DrafterStats.rate) + self.EMA * (accepted / trials)
         return out
-
-
-def _propose(d, context: list[int], k: int, sampler, sampling: bool):
-    """Up to k drafts from d and their distributions q: sampled from d's own distribution for a sampled
-    request when d can (a draft model), else point-mass proposals (q None)."""
-    if sampling and hasattr(d, "propose_sampled"):
-        drafts, q = d.propose_sampled(context, k, sampler)
-        return drafts[:k], q[:k]
-    return d.propose(context, k)[:k], None
 
 
 class PlainStepper:

@@ -47,8 +47,11 @@ def env(server_factory):
         "revoked": store.create("gone", "standard")[0],
     }
     store.revoke(keys["revoked"].split("-")[1])
+    # self_spec with two layers: a drafter that samples its drafts from logits of its own (report 2 of #12); no
+    # suffix drafter, which would draft a repeated request's whole text from the earlier one
     srv = server_factory(db_path, "--require-keys", "--prices", str(prices), "--max-context", "512",
-                         "--slots", "2", "--max-queue", "2", "--max-body", "200000")
+                         "--slots", "2", "--max-queue", "2", "--max-body", "200000",
+                         "--drafters", "self_spec,prompt_lookup", "--self-spec-layers", "0-1")
     yield {"srv": srv, "db": db_path, "keys": keys, "prices": PriceTable.load(prices)}
 
 
@@ -224,6 +227,30 @@ def test_logprobs(env):
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) >= 1
     assert "".join(lp.tokens) == c.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_seeded_sampling_and_logprobs_are_the_standard_tiers(env):
+    """#12 report 2: with a drafter that samples (self_spec), one seeded request gave three texts in three tries
+    and 3 (8 streamed) logprob entries for 40 tokens. Now every try, streamed or not, is the standard tier's
+    text, with one logprob entry per token spelling it."""
+    kw = dict(messages=[{"role": "user", "content": "Tell me a short story about a robot."}], temperature=0.8,
+              seed=7, logprobs=True, top_logprobs=3, max_tokens=40, extra_body={"ignore_eos": True})
+    std = chat(env, **kw)
+    text = std.choices[0].message.content
+    entries = [(t.token, t.logprob) for t in std.choices[0].logprobs.content]
+    assert std.usage.completion_tokens == 40 and len(entries) == 40 and "".join(t for t, _ in entries) == text
+    drafted = 0
+    for _ in range(2):
+        u = chat(env, service_tier="ultrafast", **kw)
+        assert u.choices[0].message.content == text
+        assert [(t.token, t.logprob) for t in u.choices[0].logprobs.content] == entries
+        drafted += u.model_extra["time_info"]["drafters"]["self_spec"]["drafted"]
+        chunks = list(client(env).chat.completions.create(model=MODEL, stream=True, service_tier="ultrafast", **kw))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+        streamed = [(t.token, t.logprob) for ch in chunks if ch.choices and ch.choices[0].logprobs
+                    for t in ch.choices[0].logprobs.content]
+        assert streamed == entries
+    assert drafted > 0  # the sampling drafter did draft
 
 
 def test_completions_and_prefix_cache(env):

@@ -1,7 +1,9 @@
 """Drafters propose the next tokens cheaply; the target model verifies them all in one pass.
 
 Each drafter is its own module behind one small interface (`Drafter`): `begin` a request, `propose` up
-to k tokens that continue the context, and `end` it. Drafters never decide what is emitted: the verifier
+to k tokens that continue the context, and `end` it. Lookups copy tokens from text seen before; drafters with
+logits of their own (a draft model, self-speculation) let the request's sampler choose each draft from them
+(`Sampler.draft`), as the target will choose at that position. Drafters never decide what is emitted: the verifier
 accepts only what the target itself would have produced, so a bad drafter costs speed, never correctness.
 """
 
@@ -20,8 +22,9 @@ class Drafter(Protocol):
     def begin(self, prompt_ids: list[int]) -> None:
         """A new request starts with this prompt."""
 
-    def propose(self, context: list[int], k: int) -> list[int]:
-        """Up to k tokens likely to follow `context` (the prompt and every token emitted so far)."""
+    def propose(self, context: list[int], k: int, sampler=None) -> list[int]:
+        """Up to k tokens likely to follow `context` (the prompt and every token emitted so far); `sampler`, the
+        request's (None: greedy choices)."""
 
     def end(self, context: list[int]) -> None:
         """The request is over; `context` is its prompt and full output."""

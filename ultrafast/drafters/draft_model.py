@@ -1,11 +1,9 @@
 """A draft model that shares the target's tokenizer (e.g. Qwen2.5-Coder-0.5B for the 1.5B): it keeps its own
-KV cache in step with the accepted tokens and drafts one cheap forward per drafted token. Greedy requests get
-its argmax (verified as point-mass drafts); sampled requests get tokens sampled from its distribution under
-the request's own transform, with those distributions, for the speculative-sampling rule."""
+KV cache in step with the accepted tokens and drafts one cheap forward per drafted token. Each draft is what
+the request's sampler picks from the draft model's logits at that position (`Sampler.draft`): the argmax for
+a greedy request, for a sampled one the inverse CDF at the uniform the target will use there."""
 
 from __future__ import annotations
-
-import torch
 
 
 class DraftModelDrafter:
@@ -51,20 +49,12 @@ class DraftModelDrafter:
             logits = self.engine._forward([tok], len(self.fed))[-1]
             self.fed.append(tok)
 
-    def propose(self, context: list[int], k: int) -> list[int]:
-        """Greedy drafts (the draft model's argmax)."""
-        return self._run(context, k, lambda logits, _history: int(logits.argmax()))
-
-    def propose_sampled(self, context: list[int], k: int, sampler) -> tuple[list[int], torch.Tensor]:
-        """Drafts sampled under the request's transform, and their distributions q [len(drafts), V]."""
-        qs = []
-
-        def pick(logits, history):
-            tok, q = sampler.draft_sample(logits, history)
-            qs.append(q)
-            return tok
-        drafts = self._run(context, k, pick)
-        return drafts, (torch.stack(qs) if qs else torch.empty(0))
+    def propose(self, context: list[int], k: int, sampler=None) -> list[int]:
+        """Up to k drafts, each the sampler's choice from the draft's logits (None: the argmax)."""
+        n = len(context)
+        if sampler is None:
+            return self._run(context, k, lambda logits, _history: int(logits.argmax()))
+        return self._run(context, k, lambda logits, history: sampler.draft(logits, history, len(history) - n))
 
     def end(self, context: list[int]) -> None:
         self.fed = []

@@ -20,7 +20,7 @@ class PromptLookupDrafter:
         self.index = NgramIndex(self.levels)
         self.index.extend(prompt_ids)
 
-    def propose(self, context: list[int], k: int) -> list[int]:
+    def propose(self, context: list[int], k: int, sampler=None) -> list[int]:
         self.index.extend(context[len(self.index.tokens):])
         self.match_len, drafts = self.index.lookup(context, k)
         return drafts

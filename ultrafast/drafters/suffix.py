@@ -39,7 +39,7 @@ class SuffixDrafter:
         self.local = NgramIndex(LEVELS)
         self.local.extend(prompt_ids)
 
-    def propose(self, context: list[int], k: int) -> list[int]:
+    def propose(self, context: list[int], k: int, sampler=None) -> list[int]:
         self.local.extend(context[len(self.local.tokens):])
         best_n, best = self.local.lookup(context, k, self.min_match)
         n, other = self.cache.index.lookup(context, k, max(self.min_match, best_n + 1))

@@ -9,12 +9,12 @@
 | `pricing.py` | $ per million tokens per model and tier, from TOML/JSON or built-in defaults |
 | `ledger.py` | one row per finished or cancelled request, written by one thread, one transaction per row |
 | `metrics.py` | Prometheus metrics in a per-app registry |
-| `logprobs.py` | per-token logprobs, recorded by a sampler subclass |
 | `scheduler.py` | one worker thread per model: a bounded queue, KV cache slots, token-level interleaving |
 | `app.py` | the FastAPI application |
 | `commands.py` | `ultrafast serve / keys / usage / loadtest` |
 | `loadtest.py` | concurrent streaming clients against a running server |
 
-Nothing here imports torch at module level except `logprobs.py` (loaded by the worker threads), so `ultrafast keys` and
-`ultrafast usage` start fast.
+Nothing here imports torch at module level (the engine, which does, is loaded by the worker threads), so
+`ultrafast keys` and `ultrafast usage` start fast. Per-token logprobs are the engine's own record: the sampler
+notes each emitted token's (`SamplingParams.logprobs`) and every `StreamEvent` carries its token's.
 """

@@ -458,7 +458,6 @@ def _budget(ids: list[int], max_tokens: int | None, max_context: int, where: str
 
 def _params_factory(body, max_tokens: int, top_logprobs: int | None):
     from ..sampler import SamplingError, SamplingParams
-    from .logprobs import RecordingParams
 
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -468,9 +467,7 @@ def _params_factory(body, max_tokens: int, top_logprobs: int | None):
                   top_k=body.top_k or 0, min_p=body.min_p or 0.0,
                   repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                   seed=None if body.seed is None else body.seed + index, max_tokens=max_tokens, stop=stop,
-                  ignore_eos=bool(body.ignore_eos))
-        if top_logprobs is not None:
-            return RecordingParams(**kw, top_logprobs=top_logprobs)
+                  ignore_eos=bool(body.ignore_eos), logprobs=top_logprobs)
         return SamplingParams(**kw)
 
     try:

@@ -116,6 +116,8 @@ class TimeInfo(BaseModel):
     created: int
     decode_tokens_per_s: Optional[float] = None
     tau: Optional[float] = Field(None, description="ultrafast: tokens per pass over the weights")
+    drafters: Optional[dict[str, dict]] = Field(
+        None, description="ultrafast: per drafter, its passes, drafted and accepted tokens (the first choice's)")
 
 
 class TopLogprob(BaseModel):

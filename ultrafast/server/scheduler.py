@@ -60,7 +60,7 @@ class Candidate:
     index: int  # the choice index in the response
     group: int  # which prompt of the request (completions may send several)
     prompt_ids: list[int]
-    params: Any  # SamplingParams (RecordingParams when logprobs are asked for)
+    params: Any  # SamplingParams
     state: str = "pending"  # pending, active, done
     slot: Slot | None = None
     gen: Any = None
@@ -69,14 +69,12 @@ class Candidate:
     events: int = 0
     first_t: float | None = None
     last_t: float | None = None
-    held: Any = None  # the latest event, held back one step when logprobs are recorded
-    lp_sent: int = 0
     result: Any = None  # GenerationResult
     finish_reason: str | None = None
 
     @property
     def logprobs(self) -> bool:
-        return hasattr(self.params, "record")
+        return self.params.logprobs is not None
 
 
 @dataclass
@@ -244,14 +242,8 @@ class ModelWorker:
             engine = self._load()
             self._generations = callable(getattr(engine, "start", None))
             self._batch = self._generations and callable(getattr(engine, "forward_batch", None))
-            if self._generations:
-                self.logprobs_supported = True  # a Generation's sampler is replaced (see _start)
-            else:
-                from . import logprobs
-
-                self.logprobs_supported = logprobs.install()
-                if not self.logprobs_supported:
-                    log.warning("the engine's sampler cannot be hooked: logprobs requests will be refused")
+            # a Generation's events carry the logprobs its sampler records; a stream-only engine's may not
+            self.logprobs_supported = self._generations
             if self.warmup:
                 engine.stepper("ultrafast")  # measures r(k) now rather than on the first ultrafast request
             # the engine's own cache is the first slot
@@ -361,12 +353,7 @@ class ModelWorker:
         if not self._generations:
             return StreamGeneration(self.engine.stream(c.prompt_ids, c.params, tier=c.req.tier,
                                                        cache=c.slot.cache))
-        g = self.engine.start(c.prompt_ids, c.params, tier=c.req.tier, cache=c.slot.cache)
-        if c.logprobs:
-            from .logprobs import RecordingSampler
-
-            g.sampler = RecordingSampler(c.params, c.prompt_ids)  # same draws, plus the logprobs
-        return g
+        return self.engine.start(c.prompt_ids, c.params, tier=c.req.tier, cache=c.slot.cache)
 
     def _round(self) -> None:
         live = lambda c: c.state == "active" and not c.req.cancelled  # noqa: E731
@@ -428,16 +415,7 @@ class ModelWorker:
     def _event(self, c: Candidate, ev) -> None:
         req = c.req
         c.events += 1
-        if c.logprobs:
-            # hold the newest event back one step: only the stream's last event can be a text flush
-            # that carries no new token, and only its end tells which tokens remain
-            if c.held is not None:
-                rec = c.params.record
-                req.emit(("delta", c.index, c.held.text, rec[c.lp_sent:c.lp_sent + 1]))
-                c.lp_sent += 1
-            c.held = ev
-        else:
-            req.emit(("delta", c.index, ev.text, None))
+        req.emit(("delta", c.index, ev.text, ev.logprobs if c.logprobs else None))
 
     def _release(self, c: Candidate) -> None:
         if c in self._active:
@@ -457,11 +435,6 @@ class ModelWorker:
                 req.first_token_t = c.first_t
                 self.metrics.ttft.labels(self.name, req.tier).observe(c.first_t - req.arrival)
         self._release(c)
-        if c.logprobs:
-            rec = c.params.record[c.lp_sent:len(result.token_ids)]
-            if c.held is not None or rec:
-                req.emit(("delta", c.index, c.held.text if c.held is not None else "", rec))
-            c.lp_sent, c.held = len(result.token_ids), None
         req.emit(("choice_done", c.index, result.finish_reason, result))
         if all(x.state == "done" for x in req.candidates):
             self._finalize(req, "finished")
@@ -549,6 +522,7 @@ class ModelWorker:
                 "created": req.created,
                 "decode_tokens_per_s": round(decode_tps, 2) if decode_tps is not None else None,
                 "tau": tau,
+                "drafters": first.spec.get("drafters") if tau is not None else None,
             },
         }
         req.emit(("done", summary, fut))
