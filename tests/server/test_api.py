@@ -70,8 +70,8 @@ def ledger_row(env, request_id: str) -> dict:
         with sqlite3.connect(env["db"]) as db:
             db.row_factory = sqlite3.Row
             row = db.execute("SELECT * FROM ledger WHERE request_id = ?", (request_id,)).fetchone()
-        if row is not None or time.monotonic() > deadline:
-            return dict(row) if row else None
+        if (row is not None and row["status"] != "running") or time.monotonic() > deadline:
+            return dict(row) if row else None  # closed (a running row is rewritten until it closes)
         time.sleep(0.05)
 
 

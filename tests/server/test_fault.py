@@ -1,15 +1,19 @@
-"""Faults: SIGKILL in the middle of streaming requests leaves a ledger with exactly the finished requests'
-rows and nothing half-written; a restart on the same database serves and appends. SIGTERM (graceful)
-records the requests it cuts short as cancelled."""
+"""Faults: SIGKILL in the middle of streaming requests leaves a ledger with the finished requests' rows and
+the running ones' rows settled to within SETTLE_TOKENS of what was streamed, nothing half-written; a restart
+on the same database marks those `interrupted`, serves and appends. SIGTERM (graceful) records the requests
+it cuts short as cancelled."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
 
 import httpx
 import openai
+
+from ultrafast.server.ledger import SETTLE_TOKENS
 
 MODEL = "smollm2-135m"
 
@@ -25,7 +29,7 @@ def _integrity(db_path: str) -> str:
         return db.execute("PRAGMA integrity_check").fetchone()[0]
 
 
-def _stream_until_killed(url: str, seen: threading.Event, out: list):
+def _stream_until_killed(url: str, seen: threading.Event, out: list, ids: dict):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about the sea."}],
             "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
     chunks = 0
@@ -34,7 +38,10 @@ def _stream_until_killed(url: str, seen: threading.Event, out: list):
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     chunks += 1
-                    if chunks == 5:
+                    if chunks == 1:
+                        ids[json.loads(line[6:])["id"]] = 0
+                    ids[next(reversed(ids))] = chunks - 1  # content chunks after the role's
+                    if chunks == 40:
                         seen.set()
                     if line == "data: [DONE]":
                         out.append(("done", chunks))
@@ -58,7 +65,9 @@ def test_sigkill_mid_stream_then_restart(server_factory):
     # three long streams in flight, then SIGKILL
     seen = [threading.Event() for _ in range(3)]
     outcomes: list = []
-    threads = [threading.Thread(target=_stream_until_killed, args=(srv.url, ev, outcomes)) for ev in seen]
+    streamed = [{} for _ in seen]  # request id -> content chunks received
+    threads = [threading.Thread(target=_stream_until_killed, args=(srv.url, ev, outcomes, ids))
+               for ev, ids in zip(seen, streamed)]
     for t in threads:
         t.start()
     for ev in seen:
@@ -69,8 +78,15 @@ def test_sigkill_mid_stream_then_restart(server_factory):
     assert len(outcomes) == 3 and all(o[0] != "done" for o in outcomes), outcomes
     assert _integrity(db) == "ok"
     rows = _rows(db)
-    assert [r[0] for r in rows] == finished and all(r[1] == "finished" for r in rows)
+    assert [r[0] for r in rows[:3]] == finished and all(r[1] == "finished" for r in rows[:3])
     assert all(r[3] >= 1 and r[4] > 0 for r in rows)
+    # the streams' rows were opened as they started and settled as they went: each bills what its client
+    # received, less at most SETTLE_TOKENS tokens generated since the last write
+    running = {r[0]: r for r in rows[3:]}
+    received = {rid: n for ids in streamed for rid, n in ids.items()}
+    assert set(running) == set(received) and all(r[1] == "running" for r in running.values())
+    for rid, n in received.items():
+        assert n - SETTLE_TOKENS <= running[rid][3] and 16 <= running[rid][3], (n, running[rid])
 
     # restart on the same database, with a second model this time (a copy under another name): it serves
     # both by name, and appends
@@ -84,13 +100,17 @@ def test_sigkill_mid_stream_then_restart(server_factory):
     r2 = c2.chat.completions.create(model="second-model", messages=[{"role": "user", "content": "Hi"}],
                                     max_tokens=4, temperature=0)
     assert r2.model == "second-model" and r2.choices[0].message.content == r.choices[0].message.content
-    assert [x[0] for x in _rows(db)] == finished + [r.id, r2.id]
+    rows2 = _rows(db)
+    assert [x[0] for x in rows2] == [x[0] for x in rows] + [r.id, r2.id]
+    # the new server found the killed one's running rows abandoned: interrupted, billed as settled
+    assert [(x[1], x[3]) for x in rows2[3:6]] == [("interrupted", x[3]) for x in rows[3:6]]
     usage = httpx.get(srv2.base_url + "/usage").json()  # local mode: the local user's usage
-    assert usage["total_requests"] == 5 and {u["model"] for u in usage["data"]} == {MODEL, "second-model"}
+    assert usage["total_requests"] == 8 and {u["model"] for u in usage["data"]} == {MODEL, "second-model"}
+    assert sum(u["interrupted"] for u in usage["data"]) == 3
 
     # SIGTERM with a stream in flight: a graceful stop bills it as cancelled, exactly once
     seen2, outcomes2 = threading.Event(), []
-    t = threading.Thread(target=_stream_until_killed, args=(srv2.url, seen2, outcomes2))
+    t = threading.Thread(target=_stream_until_killed, args=(srv2.url, seen2, outcomes2, {}))
     t.start()
     assert seen2.wait(120)
     t0 = time.monotonic()
@@ -98,5 +118,5 @@ def test_sigkill_mid_stream_then_restart(server_factory):
     t.join(30)
     assert time.monotonic() - t0 < 30
     rows = _rows(db)
-    assert len(rows) == 6 and rows[-1][1] == "cancelled" and 0 < rows[-1][3] < 900
+    assert len(rows) == 9 and rows[-1][1] == "cancelled" and 0 < rows[-1][3] < 900
     assert _integrity(db) == "ok"

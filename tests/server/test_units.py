@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import os
 import time
 
 import pytest
@@ -178,7 +179,73 @@ def test_ledger_writer_and_usage(tmp_path):
     assert "alice (k1)" in text and "total: $" in text
     assert ledger_mod.usage(db, since_day="2100-01-01") == []
     with pytest.raises(ValueError):
-        ledger_mod.insert_row(db, _row(9, status="weird"))
+        ledger_mod.write_row(db, _row(9, status="weird"))
+
+
+def test_ledger_rows_open_settle_and_close(tmp_path):
+    db = Database(tmp_path / "l.db").init()
+    w = LedgerWriter(db)
+    row = _row(1, status="running")
+    assert w.submit(row).result(5)
+    for n in (5, 9, 20):  # rewrites while running: the row follows
+        row.completion_tokens = n
+        assert w.submit(row).result(5)
+        assert ledger_mod.rows(db)[0]["completion_tokens"] == n
+    row.status, row.completion_tokens = "finished", 25
+    assert w.submit(row).result(5)
+    got = ledger_mod.rows(db)
+    assert len(got) == 1 and (got[0]["status"], got[0]["completion_tokens"]) == ("finished", 25)
+    assert got[0]["instance"] == w.instance and got[0]["updated_ts"] >= got[0]["ts"]
+    row.status = "running"  # a closed row is never reopened or rewritten
+    with pytest.raises(ValueError, match="already closed"):
+        w.submit(row).result(5)
+    assert ledger_mod.rows(db)[0]["status"] == "finished"
+    w.close()
+
+
+def test_abandoned_running_rows_become_interrupted(tmp_path):
+    import subprocess
+    import sys
+
+    db = Database(tmp_path / "l.db").init()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = ledger_mod.instance_id().split("/")[0]
+    now = time.time()
+    rows = {"dead": (f"{host}/{dead.stdout.strip()}/x", now), "stale": ("elsewhere/1/y", now - 2 * ledger_mod.STALE_S),
+            "fresh": ("elsewhere/1/z", now), "alive": (f"{host}/{os.getpid()}/other", now)}
+    for i, (name, (inst, ts)) in enumerate(rows.items()):
+        r = _row(i, status="running")
+        r.request_id, r.instance, r.updated_ts = name, inst, ts
+        ledger_mod.write_row(db, r)
+    mine = ledger_mod.instance_id()
+    r = _row(9, status="running")
+    r.request_id, r.instance = "mine", mine
+    ledger_mod.write_row(db, r)
+    assert ledger_mod.interrupt_abandoned(db, mine) == 2
+    status = {r["request_id"]: r["status"] for r in ledger_mod.rows(db)}
+    assert status == {"dead": "interrupted", "stale": "interrupted", "fresh": "running", "alive": "running",
+                      "mine": "running"}
+    assert ledger_mod.interrupt_abandoned(db, mine) == 0
+    rep = ledger_mod.usage(db)
+    assert sum(x["interrupted"] for x in rep) == 2 and sum(x["requests"] for x in rep) == 5
+
+
+def test_an_older_ledger_gains_the_new_columns(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as c:  # the first schema: no updated_ts, no instance
+        c.execute("CREATE TABLE ledger (id INTEGER PRIMARY KEY AUTOINCREMENT, request_id TEXT NOT NULL UNIQUE, "
+                  "key_id TEXT, model TEXT NOT NULL, tier TEXT NOT NULL, endpoint TEXT NOT NULL, n INTEGER NOT NULL, "
+                  "prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, "
+                  "cost_usd REAL NOT NULL, queue_s REAL NOT NULL, ttft_s REAL, total_s REAL NOT NULL, "
+                  "decode_tokens_per_s REAL, tau REAL, status TEXT NOT NULL, ts REAL NOT NULL, day TEXT NOT NULL)")
+        c.execute("INSERT INTO ledger (request_id, model, tier, endpoint, n, prompt_tokens, cached_tokens, "
+                  "completion_tokens, cost_usd, queue_s, total_s, status, ts, day) "
+                  "VALUES ('old', 'm', 'standard', 'completions', 1, 3, 0, 4, 0.1, 0, 1, 'finished', 0, '1970-01-01')")
+    db = Database(path).init()
+    ledger_mod.write_row(db, _row(1))
+    assert [r["request_id"] for r in ledger_mod.rows(db)] == ["old", "r1"]
 
 
 # ------------------------------------------------------------------------------------ scheduler (fake engine)

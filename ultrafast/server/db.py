@@ -58,10 +58,15 @@ _SQLITE_SCHEMA = [
         tau REAL,
         status TEXT NOT NULL,
         ts REAL NOT NULL,
-        day TEXT NOT NULL
+        day TEXT NOT NULL,
+        updated_ts REAL,
+        instance TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS ledger_key_day ON ledger (key_id, day)",
 ]
+
+# columns added since the first schema: added to an older database by `init`
+_ADDED_COLUMNS = [("ledger", "updated_ts", "REAL"), ("ledger", "instance", "TEXT")]
 
 _PG_SCHEMA = [
     s.replace("id INTEGER PRIMARY KEY AUTOINCREMENT", "id BIGSERIAL PRIMARY KEY")
@@ -177,6 +182,12 @@ class Database:
         with self.transaction() as cur:
             for stmt in schema:
                 cur.execute(stmt)
+            for table, column, kind in _ADDED_COLUMNS:
+                if self.kind == "postgres":
+                    kind = kind.replace("REAL", "DOUBLE PRECISION")
+                    cur.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {kind}")
+                elif column not in {r["name"] for r in cur.execute(f"PRAGMA table_info({table})")}:
+                    cur.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         self._initialised = True
         return self
 

@@ -232,6 +232,7 @@ class UsageRecord(BaseModel):
     day: str
     requests: int
     cancelled: int
+    interrupted: int = 0
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from .auth import Principal, RateLimiter
 from .errors import QueueFull, Unavailable
-from .ledger import LedgerRow, LedgerWriter
+from .ledger import SETTLE_S, SETTLE_TOKENS, LedgerRow, LedgerWriter
 from .metrics import ServerMetrics
 from .pricing import PriceTable
 
@@ -96,6 +96,10 @@ class GenRequest:
     cancelled: bool = False
     finalized: bool = False
     admitted_t: float | None = None
+    wall: float = field(default_factory=time.time)  # arrival, wall clock: the ledger row's ts
+    billed_tokens: int = 0  # completion tokens in the request's last ledger write
+    billed_t: float = 0.0
+    ledger_open: bool = False  # its running row has been submitted
     first_token_t: float | None = None
     source: dict = field(default_factory=dict)  # group -> the candidate that prefilled it
 
@@ -345,6 +349,9 @@ class ModelWorker:
             except Exception as e:  # the handler validated the prompt; this is a bug, fail only this request
                 log.exception("could not start request %s", req.id)
                 self._stop_request(req, "failed", f"generation failed: {type(e).__name__}: {e}")
+                continue
+            if not req.ledger_open:
+                self._settle(req)  # its row opens as its generation starts
         self.metrics.slots_in_use.labels(self.name).set(sum(s.owner is not None for s in self.slots))
 
     # ---- stepping
@@ -411,6 +418,8 @@ class ModelWorker:
                 self._event(c, ev)
         if g.done:
             self._candidate_done(c, g.result)
+        elif not req.finalized:
+            self._settle(req)
 
     def _event(self, c: Candidate, ev) -> None:
         req = c.req
@@ -472,11 +481,11 @@ class ModelWorker:
 
     # ---- accounting
 
-    def _finalize(self, req: GenRequest, status: str, message: str | None = None) -> None:
-        if req.finalized:
-            return
-        req.finalized = True
-        now = time.monotonic()
+    def _completion_tokens(self, req: GenRequest) -> int:
+        """Completion tokens to bill: a finished candidate's sampled tokens, the others' delivered ones."""
+        return sum(c.result.completion_tokens if c.result is not None else c.events for c in req.candidates)
+
+    def _ledger_row(self, req: GenRequest, status: str, completion: int, now: float) -> LedgerRow:
         groups = {}
         for c in req.candidates:
             groups.setdefault(c.group, []).append(c)
@@ -486,18 +495,39 @@ class ModelWorker:
             src = req.source.get(g)
             if src is not None:
                 cached += src.result.cached_tokens if src.result is not None else src.cached_tokens
-        completion = sum(c.result.completion_tokens if c.result is not None else c.events for c in req.candidates)
         first = req.candidates[0].result
-        cost = self.prices.cost(self.name, req.tier, prompt_tokens, cached, completion)
         tau = first.spec.get("tau") if first is not None and req.tier == "ultrafast" and first.spec else None
-        decode_tps = first.decode_tokens_per_s if first is not None else None
-        queue_s = (req.admitted_t or now) - req.arrival
-        ttft = (req.first_token_t - req.arrival) if req.first_token_t is not None else None
-        row = LedgerRow(request_id=req.id, key_id=req.principal.key_id, model=self.name, tier=req.tier,
-                        endpoint=req.endpoint, n=len(req.candidates), prompt_tokens=prompt_tokens,
-                        cached_tokens=cached, completion_tokens=completion, cost_usd=cost, queue_s=queue_s,
-                        ttft_s=ttft, total_s=now - req.arrival, decode_tokens_per_s=decode_tps, tau=tau,
-                        status=status)
+        return LedgerRow(request_id=req.id, key_id=req.principal.key_id, model=self.name, tier=req.tier,
+                         endpoint=req.endpoint, n=len(req.candidates), prompt_tokens=prompt_tokens,
+                         cached_tokens=cached, completion_tokens=completion,
+                         cost_usd=self.prices.cost(self.name, req.tier, prompt_tokens, cached, completion),
+                         queue_s=(req.admitted_t or now) - req.arrival,
+                         ttft_s=(req.first_token_t - req.arrival) if req.first_token_t is not None else None,
+                         total_s=now - req.arrival,
+                         decode_tokens_per_s=first.decode_tokens_per_s if first is not None else None, tau=tau,
+                         status=status, ts=req.wall)
+
+    def _settle(self, req: GenRequest) -> None:
+        """Open the request's running row, or rewrite it once SETTLE_TOKENS more tokens (or SETTLE_S seconds
+        with new tokens) have come since the last write."""
+        completion, now = self._completion_tokens(req), time.monotonic()
+        new = completion - req.billed_tokens
+        if req.ledger_open and new < SETTLE_TOKENS and (new == 0 or now - req.billed_t < SETTLE_S):
+            return
+        req.billed_tokens, req.billed_t, req.ledger_open = completion, now, True
+        fut = self.ledger.submit(self._ledger_row(req, "running", completion, now))
+        fut.add_done_callback(lambda f: f.exception() is not None and self.metrics.ledger_errors.inc())
+
+    def _finalize(self, req: GenRequest, status: str, message: str | None = None) -> None:
+        if req.finalized:
+            return
+        req.finalized = True
+        now = time.monotonic()
+        completion = self._completion_tokens(req)
+        row = self._ledger_row(req, status, completion, now)
+        prompt_tokens, cached, cost, tau = row.prompt_tokens, row.cached_tokens, row.cost_usd, row.tau
+        first = req.candidates[0].result
+        decode_tps, queue_s = row.decode_tokens_per_s, row.queue_s
         fut = self.ledger.submit(row)
         fut.add_done_callback(lambda f: f.exception() is not None and self.metrics.ledger_errors.inc())
         m = self.metrics
