@@ -99,10 +99,20 @@ def test_models_and_openapi(env):
     card = models.data[0].model_dump()
     assert card["max_context"] == 512
     assert card["pricing"]["ultrafast"]["output"] == pytest.approx(6 * 1.5)
-    spec = httpx.get(env["srv"].url + "/openapi.json").json()
+    with raw(env) as h:
+        spec = h.get("/openapi.json").json()
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/usage"):
         assert path in spec["paths"]
     assert "ChatCompletionRequest" in json.dumps(spec["components"])
+    # what the document says is what the server does: validation errors are 400s (no 422), text parts only,
+    # prompts never empty, /metrics is Prometheus text, streams are event streams
+    chat_op = spec["paths"]["/v1/chat/completions"]["post"]
+    assert "422" not in chat_op["responses"] and "400" in chat_op["responses"]
+    assert "text/event-stream" in chat_op["responses"]["200"]["content"]
+    assert spec["components"]["schemas"]["TextPart"]["properties"]["type"]["const"] == "text"
+    assert spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"] == {"text/plain": {"schema": {"type": "string"}}}
+    prompt = json.dumps(spec["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"])
+    assert '"minLength": 1' in prompt and '"minItems": 1' in prompt
 
 
 def test_chat_usage_and_ledger_row_match(env):
@@ -175,7 +185,8 @@ def test_tiers_greedy_identical_and_priced(env):
 
 
 def _metric(env, name: str) -> float:
-    text = httpx.get(env["srv"].url + "/metrics").text
+    with raw(env) as h:
+        text = h.get("/metrics").text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
@@ -302,7 +313,8 @@ def test_usage_endpoint_is_per_key(env):
 
 def test_metrics(env):
     chat(env, max_tokens=4, service_tier="ultrafast")
-    text = httpx.get(env["srv"].url + "/metrics").text
+    with raw(env) as h:
+        text = h.get("/metrics").text
     for name in ("ultrafast_requests_total", "ultrafast_tokens_total", "ultrafast_ttft_seconds_bucket",
                  "ultrafast_inter_token_seconds_bucket", "ultrafast_queue_depth", "ultrafast_kv_slots_in_use",
                  "ultrafast_spec_tau_bucket", "ultrafast_spec_accepted_tokens_total", "process_resident_memory_bytes"):
@@ -366,7 +378,30 @@ def test_malformed_bodies(env):
         _error(h.post("/v1/chat/completions", content=b"x" * 300_000, headers={"content-type": "application/json"}),
                413)
         _error(h.get("/v1/nowhere"), 404)
+        for body, param in [  # the schema refuses these (it says so), with OpenAI's 400
+            ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+                "url": "http://x/y.png"}}]}]}, "messages.0.content"),
+            ({"model": MODEL, "messages": HELLO, "stop": ""}, "stop"),
+        ]:
+            assert _error(h.post("/v1/chat/completions", json=body), 400)["param"].startswith(param)
+        for prompt in ("", [], [[]], [""]):
+            assert _error(h.post("/v1/completions", json={"model": MODEL, "prompt": prompt}), 400)["param"] \
+                .startswith("prompt")
+        r = h.delete("/v1/chat/completions")  # a 405 names the methods allowed
+        _error(r, 405)
+        assert r.headers["allow"] == "POST"
+        assert h.put("/v1/models").headers["allow"] == "GET"
     assert_serving(env)
+
+
+def test_operational_endpoints_need_a_key_where_keys_are_required(env):
+    url = env["srv"].url
+    for path in ("/metrics", "/openapi.json", "/docs"):
+        _error(httpx.get(url + path), 401)
+        assert httpx.get(url + path, headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
+        with raw(env, "std") as h:
+            assert h.get(path).status_code == 200, path
+    assert httpx.get(url + "/health").status_code == 200  # liveness stays open
 
 
 def test_unknown_model_and_context_limits(env):

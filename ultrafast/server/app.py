@@ -19,7 +19,8 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import ledger as ledger_mod
@@ -204,7 +205,9 @@ def create_app(config: ServerConfig) -> FastAPI:
         finally:
             await asyncio.to_thread(server.stop)
 
-    app = FastAPI(title="ultrafast", version="0.1.0", lifespan=lifespan,
+    # /openapi.json and /docs are routes of ours (`_install_routes`): behind a key where keys are required
+    app = FastAPI(title="ultrafast", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None,
                   description="OpenAI-compatible LLM inference with a standard and a lossless ultrafast tier.")
     app.state.server = server
     app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
@@ -213,26 +216,27 @@ def create_app(config: ServerConfig) -> FastAPI:
     return app
 
 
-def _error_response(request: Request | None, err: APIError) -> JSONResponse:
+def _error_response(request: Request | None, err: APIError, headers: dict | None = None) -> JSONResponse:
     if request is not None:
         srv = getattr(request.app.state, "server", None)
         if srv is not None:
             srv.metrics.http_errors.labels(str(err.status), err.code or "").inc()
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+    return JSONResponse(err.body(), status_code=err.status, headers={**(headers or {}), **err.headers()})
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None, "invalid_request"
-    e = errors[0]
+    # a union reports every branch: the branch of the right type, failing a constraint, says what is wrong
+    e = next((x for x in errors if not x.get("type", "").endswith("_type")), errors[0])
     if e.get("type") == "json_invalid":
         ctx = e.get("ctx") or {}
         return (f"We could not parse the JSON body of your request: {ctx.get('error', 'invalid JSON')} "
                 f"(at position {e['loc'][-1] if e.get('loc') else '?'})"), None, "invalid_json"
     loc = [str(x) for x in e.get("loc", ()) if x != "body"]
     # pydantic reports every member of a union; name the field, not the union branch
-    param = ".".join(x for x in loc if not x.startswith(("list[", "str", "int", "function-", "union[")))
+    param = ".".join(x for x in loc if not x.startswith(("list[", "str", "int", "function-", "union[", "constrained-")))
     if not loc:
         msg = "the request body must be a JSON object" if e.get("type") in ("model_attributes_type", "dict_type") \
             else e.get("msg", "invalid request")
@@ -255,8 +259,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         msg = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
             msg = f"Unknown request URL: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            msg = f"Method {request.method} is not allowed for {request.url.path} (allowed: {(exc.headers or {}).get('Allow', '')})"
+        # exc.headers: the router's Allow on a 405
         return _error_response(request, APIError(msg, status=exc.status_code, type=type_for_status(exc.status_code),
-                                                 code=None))
+                                                 code=None), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
@@ -281,21 +288,60 @@ async def authenticate(request: Request) -> Principal:
         return LOCAL_USER  # local mode: a placeholder key (the openai client insists on one) is fine
 
 
+_AUTH_ERRORS = {401: {"model": ErrorResponse}, 500: {"model": ErrorResponse}}
 _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 403: {"model": ErrorResponse},
            404: {"model": ErrorResponse}, 413: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
-           500: {"model": ErrorResponse}}
+           500: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+# a generation's 200: JSON, or with "stream": true server-sent events (`data: {chunk}` lines, then `data: [DONE]`)
+_GENERATION = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+def openapi_document(app: FastAPI) -> dict:
+    """FastAPI's document, made to say what the server does: validation errors are 400s in OpenAI's shape
+    (FastAPI documents them as 422s), and every /v1 route takes a bearer key."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schemas = doc.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        doc.setdefault("components", {})["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer",
+                       "description": "an API key (`ultrafast keys create`); optional on loopback without "
+                                      "--require-keys"}}
+        for path, ops in doc.get("paths", {}).items():
+            for op in ops.values():
+                op.get("responses", {}).pop("422", None)
+                if path != "/health":
+                    op["security"] = [{"bearer": []}]
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 def _install_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request):
+        """Liveness for load balancers: no key, ever."""
         srv: Server = request.app.state.server
         return {"status": "ok", "models": list(srv.workers),
                 "queue_depth": {n: w.queue_depth for n, w in srv.workers.items()}}
 
-    @app.get("/metrics")
-    async def metrics(request: Request):
-        return Response(request.app.state.server.metrics.render(), media_type=CONTENT_TYPE)
+    # operational endpoints: open on loopback, behind a key where keys are required (--require-keys or a
+    # public interface)
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        **_AUTH_ERRORS, 200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}})
+    async def metrics(request: Request, who: Principal = Depends(authenticate)):
+        return PlainTextResponse(request.app.state.server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request, who: Principal = Depends(authenticate)):
+        return JSONResponse(openapi_document(request.app))
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request, who: Principal = Depends(authenticate)) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="ultrafast API")
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models(request: Request, who: Principal = Depends(authenticate)):
@@ -316,7 +362,7 @@ def _install_routes(app: FastAPI) -> None:
         return UsageReport(key_id=who.key_id, data=data, total_cost_usd=round(sum(r["cost_usd"] for r in data), 8),
                            total_requests=sum(r["requests"] for r in data))
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=_GENERATION)
     async def chat_completions(body: ChatCompletionRequest, request: Request, who: Principal = Depends(authenticate)):
         srv: Server = request.app.state.server
         worker = srv.worker(body.model)
@@ -342,7 +388,7 @@ def _install_routes(app: FastAPI) -> None:
         return await _run(request, srv, worker, who, tier, "chat.completions", body, [ids], max_tokens, top,
                           f"chatcmpl-{uuid.uuid4().hex}")
 
-    @app.post("/v1/completions", response_model=Completion, responses=_ERRORS)
+    @app.post("/v1/completions", response_model=Completion, responses=_GENERATION)
     async def completions(body: CompletionRequest, request: Request, who: Principal = Depends(authenticate)):
         srv: Server = request.app.state.server
         worker = srv.worker(body.model)
@@ -400,28 +446,14 @@ def _check_common(body) -> None:
             raise InvalidRequest(f"{name} is not supported (use repetition_penalty)", param=name)
     if body.logit_bias:
         raise InvalidRequest("logit_bias is not supported", param="logit_bias")
-    stop = body.stop
-    if isinstance(stop, list):
-        if len(stop) > 4:
-            raise InvalidRequest("at most 4 stop sequences", param="stop")
-        if not all(s for s in stop):
-            raise InvalidRequest("stop sequences must be non-empty strings", param="stop")
-    elif stop == "":
-        raise InvalidRequest("stop sequences must be non-empty strings", param="stop")
 
 
 def _chat_messages(body: ChatCompletionRequest) -> list[dict]:
     out = []
-    for i, m in enumerate(body.messages):
+    for m in body.messages:
         content = m.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise InvalidRequest(f"content part of type {part.type!r} is not supported (text only)",
-                                         param=f"messages.{i}.content.{j}")
-                texts.append(part.text)
-            content = "".join(texts)
+        if isinstance(content, list):  # text parts (the schema admits no others)
+            content = "".join(part.text for part in content)
         if content is None:
             content = ""
         role = "system" if m.role == "developer" else m.role
@@ -435,8 +467,6 @@ def _chat_messages(body: ChatCompletionRequest) -> list[dict]:
 def _completion_prompts(prompt) -> list:
     if isinstance(prompt, str):
         return [prompt]
-    if not prompt:
-        raise InvalidRequest("the prompt is empty", param="prompt")
     if all(isinstance(x, int) for x in prompt):
         return [prompt]
     return list(prompt)

@@ -107,7 +107,7 @@ class LoadTest:
 
     async def _rss(self, http) -> int | None:
         try:
-            r = await http.get("/metrics")
+            r = await http.get("/metrics", headers=self._headers())
             for line in r.text.splitlines():
                 if line.startswith("process_resident_memory_bytes "):
                     return int(float(line.split()[1]))

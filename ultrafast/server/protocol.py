@@ -10,7 +10,7 @@ extras `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` (as vLLM names them)
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,10 +29,16 @@ class StreamOptions(BaseModel):
     include_usage: Optional[bool] = False
 
 
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class TextPart(BaseModel):
+    """A content part: this server reads text only (an image or audio part is a 400)."""
     model_config = ConfigDict(extra="allow")
-    type: str
-    text: Optional[str] = None
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
@@ -55,7 +61,7 @@ class _Sampling(_Request):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    stop: Union[str, list[str], None] = None
+    stop: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)], None] = None
     seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer")
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
@@ -81,7 +87,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    # a text, texts, token ids, or lists of token ids; never empty (ids past the model's vocabulary: 400)
+    prompt: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)], TokenIds,
+                  Annotated[list[TokenIds], Field(min_length=1)]]
     max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     echo: Optional[bool] = False
