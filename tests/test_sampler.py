@@ -35,6 +35,24 @@ def test_repetition_penalty_matches_transformers():
     assert torch.allclose(apply_repetition_penalty(logits, history, 1.3), ref)
 
 
+def test_presence_frequency_penalties_and_logit_bias():
+    """OpenAI's penalties count the output only (history past the prompt), as vLLM applies them; the bias adds
+    to the named token ids' logits."""
+    logits = torch.zeros(10)
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={9: 3.0, 0: -1.0})
+    s = Sampler(p, [1, 1, 2])  # the prompt's tokens are not penalised
+    s.history += [2, 5, 5]
+    want = torch.zeros(10)
+    want[2] -= 0.5 + 0.25
+    want[5] -= 0.5 + 2 * 0.25
+    want[9] += 3.0
+    want[0] -= 1.0
+    assert torch.equal(s.adjusted(logits), want)
+    assert s.sample(logits) == 9  # greedy follows the adjusted logits
+    # a drafter's history (the context plus its drafts) is adjusted the same way
+    assert torch.equal(s.adjusted(logits, [1, 1, 2, 2, 5, 5]), want)
+
+
 def test_inverse_cdf_draw_follows_the_distribution():
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
     us = (torch.arange(10000, dtype=torch.float64) + 0.5) / 10000
@@ -56,7 +74,9 @@ def test_seeded_sampling_is_reproducible():
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=2),
                                     dict(top_k=-1), dict(max_tokens=0), dict(repetition_penalty=0),
                                     dict(repetition_penalty=1e-320), dict(repetition_penalty=1e300),
-                                    dict(seed=2**64), dict(seed=-(2**63) - 1), dict(seed=1.5), dict(stop=[""])])
+                                    dict(seed=2**64), dict(seed=-(2**63) - 1), dict(seed=1.5), dict(stop=[""]),
+                                    dict(presence_penalty=2.5), dict(frequency_penalty=-3),
+                                    dict(logit_bias={-1: 1.0}), dict(logit_bias={3: 101.0}), dict(logprobs=21)])
 def test_invalid_params_are_rejected(kwargs):
     with pytest.raises(SamplingError):
         SamplingParams(**kwargs)

@@ -18,6 +18,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the output (-2..2)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the output (-2..2)")
     g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -51,7 +53,8 @@ def _params(args, max_tokens: int | None = None):
 
     return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed,
         max_tokens=max_tokens if max_tokens is not None else args.max_tokens, stop=list(args.stop))
 
 

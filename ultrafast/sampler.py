@@ -1,7 +1,8 @@
 """Sampling: from one position's logits to a token, the same rule in every tier.
 
-Greedy is argmax. Otherwise the logits pass through repetition penalty, temperature, top-k, top-p and
-min-p into a distribution, and one uniform number u from the request's seeded generator picks the
+Greedy is argmax of the adjusted logits. The logits are adjusted by `logit_bias`, the repetition penalty
+(Hugging Face's, over prompt and output) and the presence and frequency penalties (OpenAI's, over the output so
+far, as vLLM applies them); otherwise they pass through temperature, top-k, top-p and min-p into a distribution, and one uniform number u from the request's seeded generator picks the
 token by inverse CDF. Exactly one u is drawn per emitted token, in order, so a generation is a function of
 (model, prompt, params, seed), whichever tier runs it and whatever drafts it verifies.
 
@@ -34,6 +35,8 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 # index for n > 1, which stays inside).
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties, OpenAI's range
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 @dataclass
@@ -50,6 +53,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     seed: int | None = None
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
@@ -64,6 +70,14 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
              f"repetition_penalty must be in [{REPETITION_PENALTY_RANGE[0]}, {REPETITION_PENALTY_RANGE[1]}]"),
+            (PENALTY_RANGE[0] <= self.presence_penalty <= PENALTY_RANGE[1],
+             f"presence_penalty must be in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]}]"),
+            (PENALTY_RANGE[0] <= self.frequency_penalty <= PENALTY_RANGE[1],
+             f"frequency_penalty must be in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]}]"),
+            (not self.logit_bias or all(isinstance(t, int) and t >= 0 and
+                                        LOGIT_BIAS_RANGE[0] <= b <= LOGIT_BIAS_RANGE[1]
+                                        for t, b in self.logit_bias.items()),
+             f"logit_bias maps token ids to values in [{LOGIT_BIAS_RANGE[0]}, {LOGIT_BIAS_RANGE[1]}]"),
             (self.seed is None or (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
              "seed must be a 64-bit integer"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
@@ -97,6 +111,21 @@ def apply_repetition_penalty(logits: torch.Tensor, history, penalty: float) -> t
     logits = logits.clone()
     seen = logits[history]
     logits[history] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits
+
+
+def adjust_logits(logits: torch.Tensor, history, n_prompt: int, p: SamplingParams) -> torch.Tensor:
+    """logits [V] -> with logit_bias, the repetition penalty (over history) and the presence and frequency
+    penalties (over history[n_prompt:], the output so far). The same for the target and for a drafter."""
+    if p.logit_bias:
+        logits = logits.clone()
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+    logits = apply_repetition_penalty(logits, history, p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and len(history) > n_prompt:
+        out = torch.as_tensor(list(history[n_prompt:]), dtype=torch.long)
+        counts = torch.bincount(out, minlength=logits.numel())[:logits.numel()].to(logits.dtype)
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
 
@@ -142,12 +171,16 @@ class Sampler:
         self.gen = None if params.greedy else params.generator()
         self._ahead: list[float] = []  # uniforms drawn from the stream but not used yet (peeked by drafters)
         self.history = list(prompt_ids)
+        self.n_prompt = len(prompt_ids)
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
 
+    def adjusted(self, logits: torch.Tensor, history: list[int] | None = None) -> torch.Tensor:
+        """The logits after bias and penalties, given the tokens before the position (default: this
+        request's history)."""
+        return adjust_logits(logits, self.history if history is None else history, self.n_prompt, self.params)
+
     def distribution(self, logits: torch.Tensor, history: list[int] | None = None) -> torch.Tensor:
-        hist = self.history if history is None else history
-        logits = apply_repetition_penalty(logits, hist, self.params.repetition_penalty)
-        return probabilities(logits, self.params)
+        return probabilities(self.adjusted(logits, history), self.params)
 
     def uniform(self, ahead: int = 0) -> float:
         """The uniform the sample `ahead` positions from now will use (0: the next one); not consumed."""
@@ -160,13 +193,13 @@ class Sampler:
         tokens before it: what this sampler would emit there if the target's logits were these (greedy: the
         argmax after the penalty; sampled: the inverse CDF at the very uniform the target will use)."""
         if self.params.greedy:
-            return int(torch.argmax(apply_repetition_penalty(logits, history, self.params.repetition_penalty)))
+            return int(torch.argmax(self.adjusted(logits, history)))
         return sample_from(self.distribution(logits, history), self.uniform(ahead))
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits [V] for the next position -> token id; records it in the history (and its logprobs)."""
         if self.params.greedy:
-            tok = int(torch.argmax(apply_repetition_penalty(logits, self.history, self.params.repetition_penalty)))
+            tok = int(torch.argmax(self.adjusted(logits)))
         else:
             tok = sample_from(self.distribution(logits), self.uniform(0))
             self._ahead.pop(0)

@@ -264,6 +264,20 @@ def test_seeded_sampling_and_logprobs_are_the_standard_tiers(env):
     assert drafted > 0  # the sampling drafter did draft
 
 
+def test_penalties_and_logit_bias_apply_in_both_tiers(env):
+    msgs = [{"role": "user", "content": "Write a Python function that returns the sum of a list."}]
+    plain = chat(env, messages=msgs, max_tokens=16).choices[0].message.content
+    kw = dict(messages=msgs, max_tokens=16, presence_penalty=1.5, frequency_penalty=1.0)
+    std = chat(env, **kw)
+    assert std.choices[0].message.content != plain
+    assert chat(env, service_tier="ultrafast", **kw).choices[0].message.content == std.choices[0].message.content
+    forced = chat(env, messages=msgs, max_tokens=4, logit_bias={"28": 100})  # one token, every time
+    assert forced.choices[0].message.content and len(set(forced.choices[0].message.content)) <= 2
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(env, logit_bias={"999999999": 1})
+    assert e.value.param == "logit_bias"
+
+
 def test_completions_and_prefix_cache(env):
     c = client(env).completions.create(model=MODEL, prompt="The three primary colours are", max_tokens=8,
                                        temperature=0)

@@ -367,12 +367,7 @@ def _install_routes(app: FastAPI) -> None:
         srv: Server = request.app.state.server
         worker = srv.worker(body.model)
         tier = resolve_tier(body.service_tier, who)
-        _check_common(body)
-        if body.tools:
-            raise InvalidRequest("tools / function calling is not supported by this server", param="tools")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise InvalidRequest(f"response_format {body.response_format.type!r} is not supported; only 'text'",
-                                 param="response_format")
+        _check_common(body, worker.engine.config.vocab_size)
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         messages = _chat_messages(body)
@@ -393,11 +388,7 @@ def _install_routes(app: FastAPI) -> None:
         srv: Server = request.app.state.server
         worker = srv.worker(body.model)
         tier = resolve_tier(body.service_tier, who)
-        _check_common(body)
-        if body.echo:
-            raise InvalidRequest("echo is not supported", param="echo")
-        if body.suffix:
-            raise InvalidRequest("suffix (insertion) is not supported", param="suffix")
+        _check_common(body, worker.engine.config.vocab_size)
         if body.best_of is not None and body.best_of != body.n:
             raise InvalidRequest("best_of other than n is not supported", param="best_of")
         engine = worker.engine
@@ -439,13 +430,11 @@ def _model_card(srv: Server, name: str) -> ModelCard:
                      pricing=pricing)
 
 
-def _check_common(body) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(body, name)
-        if v not in (None, 0, 0.0):
-            raise InvalidRequest(f"{name} is not supported (use repetition_penalty)", param=name)
-    if body.logit_bias:
-        raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+def _check_common(body, vocab_size: int) -> None:
+    """What the schema cannot say: it does not know the model's vocabulary."""
+    bad = [t for t in (body.logit_bias or {}) if int(t) >= vocab_size]
+    if bad:
+        raise InvalidRequest(f"logit_bias: token ids out of range [0, {vocab_size}): {bad[:5]}", param="logit_bias")
 
 
 def _chat_messages(body: ChatCompletionRequest) -> list[dict]:
@@ -496,6 +485,8 @@ def _params_factory(body, max_tokens: int, top_logprobs: int | None):
         kw = dict(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
                   top_k=body.top_k or 0, min_p=body.min_p or 0.0,
                   repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                  presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                  logit_bias={int(t): b for t, b in body.logit_bias.items()} if body.logit_bias else None,
                   seed=None if body.seed is None else body.seed + index, max_tokens=max_tokens, stop=stop,
                   ignore_eos=bool(body.ignore_eos), logprobs=top_logprobs)
         return SamplingParams(**kw)

@@ -83,8 +83,17 @@ class Database:
         self.target = target
         self.kind = "postgres" if is_postgres_url(target) else "sqlite"
         if self.kind == "sqlite" and target != ":memory:":
-            Path(target).expanduser().parent.mkdir(parents=True, exist_ok=True)
-            self.target = str(Path(target).expanduser())
+            path = Path(target).expanduser()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.target = str(path)
+            # created owner-only: it holds spend and key hashes (SQLite gives its -wal and -shm files the
+            # database file's permissions). Only here, before this object opens any connection: closing a
+            # descriptor of the file drops every POSIX lock the process holds on it, SQLite's included
+            # (doing this per connection gave "disk I/O error" under concurrent requests).
+            try:
+                os.close(os.open(self.target, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+            except FileExistsError:
+                pass
         self._local = threading.local()
         self._all: list[Any] = []
         self._lock = threading.Lock()
@@ -106,10 +115,6 @@ class Database:
 
     def _connect(self):
         if self.kind == "sqlite":
-            if self.target != ":memory:":
-                # created owner-only: it holds spend and key hashes (SQLite gives its -wal and -shm files the
-                # database file's permissions)
-                os.close(os.open(self.target, os.O_CREAT | os.O_RDWR, 0o600))
             conn = sqlite3.connect(self.target, timeout=30, isolation_level=None, check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
             # NORMAL with WAL: a commit survives a killed process (only a power cut can lose the last ones)

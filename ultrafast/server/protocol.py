@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic), as the `openai` client sends
 and reads them. Unknown request fields are accepted and ignored, as most OpenAI-compatible servers do;
-fields that would change the output in ways this server cannot honour (tools, non-zero presence or
-frequency penalties, logit_bias, echo, suffix, best_of > n, JSON response formats) are refused with 400.
+fields that would change the output in ways this server cannot honour (tools, echo, suffix, best_of > n,
+JSON response formats) are refused with 400.
 
 Extensions beyond OpenAI's fields: `service_tier` takes `standard`, `ultrafast` or `auto`; sampling
 extras `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` (as vLLM names them); responses carry
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from ..sampler import REPETITION_PENALTY_RANGE
 
@@ -32,6 +32,11 @@ class StreamOptions(BaseModel):
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# token id (a decimal string, as OpenAI's) -> bias; said in full, pydantic's own schema would admit other keys
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]],
+    WithJsonSchema({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})]
 
 
 class TextPart(BaseModel):
@@ -49,8 +54,9 @@ class ChatMessage(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    """Plain text only (JSON modes are a 400)."""
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: Literal["text"]
 
 
 class _Sampling(_Request):
@@ -65,10 +71,12 @@ class _Sampling(_Request):
     seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer")
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[LogitBias] = Field(
+        None, description="token id -> bias added to its logit (ids past the model's vocabulary: 400)")
     user: Optional[str] = None
-    service_tier: Optional[str] = Field(
-        None, description="standard (default), ultrafast (sold separately) or auto (the best tier the key may use)")
+    service_tier: Optional[Literal["standard", "ultrafast", "auto", "default"]] = Field(
+        None, description="standard (default; 'default' is its alias), ultrafast (sold separately) or auto (the "
+                          "best tier the key may use)")
     # extensions (vLLM's names)
     top_k: Optional[int] = Field(None, ge=0)
     min_p: Optional[float] = Field(None, ge=0, le=1)
@@ -81,7 +89,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[Annotated[list[dict[str, Any]], Field(max_length=0, description="not supported")]] = None
     tool_choice: Optional[Any] = None
     response_format: Optional[ResponseFormat] = None
 
@@ -92,8 +100,8 @@ class CompletionRequest(_Sampling):
                   Annotated[list[TokenIds], Field(min_length=1)]]
     max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
-    echo: Optional[bool] = False
-    suffix: Optional[str] = None
+    echo: Optional[Literal[False]] = Field(False, description="not supported")
+    suffix: Optional[Annotated[str, Field(max_length=0, description="not supported")]] = None
     best_of: Optional[int] = Field(None, ge=1)
 
 
