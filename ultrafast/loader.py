@@ -169,13 +169,15 @@ def load_gguf(path: Path) -> LoadedModel:
             return _required(meta, full, path)
         return meta.get(full, default)
 
-    n_heads, dim = int(get("attention.head_count")), int(get("embedding_length"))
     try:
         tokenizer = Tokenizer.from_gguf_metadata(meta, str(path))
     except TokenizerError as e:
         raise ModelLoadError(str(e)) from None
     names = {t.name for t in infos}
-    try:
+    try:  # metadata of the wrong type or out of range (a count that is a string, NaN, 0 heads) is refused here
+        n_heads, dim = int(get("attention.head_count")), int(get("embedding_length"))
+        if n_heads <= 0:
+            raise ValueError(f"attention.head_count must be positive, got {n_heads}")
         config = ModelConfig(
             arch=arch,
             n_layers=int(get("block_count")),
@@ -191,8 +193,12 @@ def load_gguf(path: Path) -> LoadedModel:
             qkv_bias="blk.0.attn_q.bias" in names,
             tie_embeddings="output.weight" not in names,
         )
-    except ValueError as e:
-        raise ModelLoadError(f"{path}: {e}") from None
+    except (ValueError, TypeError, OverflowError) as e:
+        raise ModelLoadError(f"{path}: bad model metadata: {e}") from None
+    layers = {int(n.split(".")[1]) for n in names if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    if config.n_layers != len(layers) or (layers and max(layers) != config.n_layers - 1):
+        raise ModelLoadError(f"{path}: block_count is {config.n_layers} but the file has tensors of "
+                             f"{len(layers)} layers")
 
     table = _name_table(_GGUF_NAMES, config.n_layers)
     tensors: dict[str, QTensor] = {}
@@ -205,6 +211,8 @@ def load_gguf(path: Path) -> LoadedModel:
             kind = T(t.qtype).name if t.qtype in T._value2member_map_ else f"#{t.qtype}"
             raise ModelLoadError(f"{path}: tensor {t.name} has unsupported type {kind}")
         qtype = T(t.qtype)
+        if not t.shape or any(d <= 0 for d in t.shape):
+            raise ModelLoadError(f"{path}: tensor {t.name} has shape {list(t.shape)} (an empty dimension)")
         shape = tuple(reversed(t.shape))  # GGUF lists the fastest dimension first
         cols, rows = shape[-1], int(np.prod(shape[:-1]))
         try:
@@ -216,6 +224,7 @@ def load_gguf(path: Path) -> LoadedModel:
         raw = torch.from_numpy(data[t.offset:t.offset + nbytes].reshape(rows, -1))  # a view until the end
         tensors[table[t.name]] = QTensor(raw, qtype, shape)
 
+    _check_tensors(tensors, config, path)  # every shape as the config says, before anything relies on it
     if config.arch == "llama":  # llama.cpp stores Q and K rows permuted for its interleaved RoPE
         for i in range(config.n_layers):
             for key, heads in (("wq", config.n_heads), ("wk", config.n_kv_heads)):
@@ -224,7 +233,6 @@ def load_gguf(path: Path) -> LoadedModel:
                     if name in tensors:
                         idx = _unpermute_rows(tensors[name].shape[0], heads)
                         tensors[name] = tensors[name].permute_rows(idx)
-    _check_tensors(tensors, config, path)
     # out of the file mapping into memory on huge pages (hugepages.py): decode streams all of it every token
     names = list(tensors)
     copies = copy_to_hugepages([tensors[n].raw for n in names])

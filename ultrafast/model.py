@@ -110,11 +110,15 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def rope_table(c: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [context_length, head_dim] of RoPE (rotate-half layout), computed as transformers does."""
+ROPE_TABLE_START = 4096  # positions in the first RoPE table; it grows (doubling) as positions need
+
+
+def rope_table(c: ModelConfig, n: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [n, head_dim] of RoPE (rotate-half layout) for positions 0..n-1, computed as transformers
+    does. Each position's values are elementwise functions of it: the same whatever n."""
     exponents = torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=device).float() / c.head_dim
     inv_freq = 1.0 / (c.rope_theta ** exponents)
-    freqs = torch.arange(c.context_length, device=device).float()[:, None] * inv_freq[None, :]
+    freqs = torch.arange(n, device=device).float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
@@ -127,7 +131,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
-        cos, sin = rope_table(c)
+        cos, sin = rope_table(c, min(c.context_length, ROPE_TABLE_START))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -139,6 +143,17 @@ class Transformer(nn.Module):
         draft: the model with some layers skipped); their KV rows are written, the others' left alone."""
         return self.forward_multi(tokens, [start_pos], [tokens.shape[0]], [cache], all_logits, layers)
 
+    def _rope_to(self, end: int) -> None:
+        """Grow the RoPE table to cover positions below `end` (a model's context can be millions of positions;
+        the table holds only what was used, doubled)."""
+        have = self.rope_cos.shape[0]
+        if end <= have:
+            return
+        if end > self.config.context_length:
+            raise ValueError(f"position {end - 1} is past the model's context of {self.config.context_length}")
+        n = min(self.config.context_length, max(end, 2 * have))
+        self.rope_cos, self.rope_sin = rope_table(self.config, n, self.rope_cos.device)
+
     @torch.inference_mode()
     def forward_multi(self, tokens: torch.Tensor, starts: list[int], lens: list[int], caches: list[KVCache],
                       all_logits: bool = False, layers: list[int] | None = None) -> torch.Tensor:
@@ -146,6 +161,7 @@ class Transformer(nn.Module):
         positions starts[s].., each with its own cache. Returns logits of every row (all_logits) or of each
         sequence's last row [n_sequences, vocab]. Rows never influence each other's values."""
         # [T, D], once per pass for every layer; a table, so a position's values never depend on the batch
+        self._rope_to(max(s + n for s, n in zip(starts, lens)))
         if len(starts) == 1:  # one sequence: a slice of the table (no gather)
             cos, sin = self.rope_cos[starts[0]:starts[0] + lens[0]], self.rope_sin[starts[0]:starts[0] + lens[0]]
         else:
@@ -198,7 +214,7 @@ def build_model(loaded, device: str | torch.device = "cpu", transform=None) -> T
     with torch.device("meta"):
         model = Transformer(c, QuantEmbedding(torch.empty(0, dtype=torch.uint8), emb.qtype, c.dim))
     model.tok_embeddings = QuantEmbedding(emb.raw, emb.qtype, c.dim)
-    model.rope_cos, model.rope_sin = rope_table(c, "cpu")
+    model.rope_cos, model.rope_sin = rope_table(c, min(c.context_length, ROPE_TABLE_START), "cpu")
     if transform is not None:
         transform(model, loaded)
     state = {}

@@ -541,6 +541,23 @@ def test_loadtest_command(env):
     assert "requests completed" in text and "TTFT standard" in text and "ratio" in text and "server RSS" in text
 
 
+def test_soak_command(env):
+    """A short soak: the request mix (tiers, n = 2, disconnects, bad requests) runs with no errors but the
+    deliberate bad requests' 4xx, RSS is sampled, and the ledger's totals equal the metrics' over the run."""
+    # 2 clients: the server here has 2 slots and a queue of 2 (more would see 429s, which the soak counts)
+    p = subprocess.run(EXE + ["loadtest", "--soak", "--url", env["srv"].url, "--clients", "2", "--seconds", "12",
+                              "--max-tokens", "12", "--api-key", env["keys"]["all"], "--json"],
+                       capture_output=True, text=True, timeout=180)
+    rep = json.loads(p.stdout)
+    assert p.returncode == 0, (p.stderr, rep["errors"], rep["billing"])
+    assert rep["errors"] == {} and rep["billing"]["equal"] and rep["completed"] >= 3
+    assert rep["billing"]["ledger"]["requests"] >= rep["completed"]
+    assert set(rep["ttft"]) <= {"standard", "ultrafast"} and len(rep["rss_bytes"]) >= 5
+    assert all(b and b > 10_000_000 for _, b in rep["rss_bytes"])
+    assert sum(rep["bad_requests"].values()) + rep["disconnects"] + rep["completed"] >= 5
+    assert "billing over the run" in __import__("ultrafast.server.soak", fromlist=["Soak"]).Soak.format(rep)
+
+
 def test_loadtest_without_a_server_is_one_error_line():
     import socket
 

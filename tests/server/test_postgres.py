@@ -1,8 +1,9 @@
 """The PostgreSQL backend (psycopg 3): keys, ledger and usage, and a server writing its ledger there.
 
-Uses $ULTRAFAST_TEST_POSTGRES_URL when set; otherwise starts a throwaway cluster with the local
-PostgreSQL binaries (initdb/pg_ctl, as the `postgres` user when run as root) on a Unix socket. Skipped
-when neither is available."""
+Uses $ULTRAFAST_TEST_POSTGRES_URL when set (CI: `.ci/run` installs Debian's PostgreSQL and starts a cluster);
+otherwise starts a throwaway cluster with the local PostgreSQL binaries (initdb/pg_ctl, as the `postgres` user
+when run as root) on a Unix socket. Skipped when neither is available, unless $ULTRAFAST_REQUIRE_POSTGRES is
+set (CI), where that is a failure."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ import openai
 import pytest
 
 psycopg = pytest.importorskip("psycopg")
+
+
+def _unavailable(why: str):
+    if os.environ.get("ULTRAFAST_REQUIRE_POSTGRES"):
+        pytest.fail(f"PostgreSQL is required here ($ULTRAFAST_REQUIRE_POSTGRES) but unavailable: {why}")
+    pytest.skip(why)
 
 from ultrafast.server import ledger as ledger_mod  # noqa: E402
 from ultrafast.server.auth import KeyStore  # noqa: E402
@@ -45,17 +52,17 @@ def pg_server():
         return
     initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
     if not initdb or not pg_ctl:
-        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) and no $ULTRAFAST_TEST_POSTGRES_URL")
+        _unavailable("no PostgreSQL server binaries (initdb, pg_ctl) and no $ULTRAFAST_TEST_POSTGRES_URL")
     prefix: list[str] = []
     d = tempfile.mkdtemp(prefix="ultrafast-pg-")
     if os.geteuid() == 0:  # postgres refuses to run as root
         try:
             pw = pwd.getpwnam("postgres")
         except KeyError:
-            pytest.skip("running as root and there is no postgres user")
+            _unavailable("running as root and there is no postgres user")
         runuser = shutil.which("runuser")
         if not runuser:
-            pytest.skip("running as root without runuser")
+            _unavailable("running as root without runuser")
         os.chown(d, pw.pw_uid, pw.pw_gid)
         prefix = [runuser, "-u", "postgres", "--"]
     os.chmod(d, 0o755)
@@ -64,13 +71,13 @@ def pg_server():
                        capture_output=True, text=True, timeout=120)
     if p.returncode != 0:
         shutil.rmtree(d, ignore_errors=True)
-        pytest.skip(f"initdb failed: {p.stderr[-500:]}")
+        _unavailable(f"initdb failed: {p.stderr[-500:]}")
     opts = f"-p {port} -k {d} -c listen_addresses='' -c fsync=off"
     p = subprocess.run(prefix + [pg_ctl, "-D", data, "-o", opts, "-l", os.path.join(d, "log"), "-w", "start"],
                        capture_output=True, text=True, timeout=120)
     if p.returncode != 0:
         shutil.rmtree(d, ignore_errors=True)
-        pytest.skip(f"pg_ctl start failed: {p.stderr[-500:]}")
+        _unavailable(f"pg_ctl start failed: {p.stderr[-500:]}")
     try:
         yield f"postgresql://postgres@/postgres?host={d}&port={port}"
     finally:
@@ -122,4 +129,27 @@ def test_server_ledger_on_postgres(pg_url, server_factory):
         rows = db.query("SELECT * FROM ledger WHERE request_id = ?", (r.id,))
     assert rows and rows[0]["status"] == "finished" and rows[0]["completion_tokens"] == r.usage.completion_tokens
     assert rows[0]["prompt_tokens"] == r.usage.prompt_tokens
+    db.close()
+
+
+def test_ledger_rows_settle_close_and_interrupt_on_postgres(pg_url):
+    db = Database(pg_url).init()
+    w = LedgerWriter(db)
+    row = LedgerRow(request_id="live", key_id=None, model="m", tier="standard", endpoint="completions",
+                    prompt_tokens=3, cached_tokens=0, completion_tokens=0, cost_usd=0.1, queue_s=0.0, total_s=0.1,
+                    status="running")
+    assert w.submit(row).result(10)
+    row.completion_tokens, row.status = 40, "finished"
+    assert w.submit(row).result(10)
+    row.status = "running"
+    with pytest.raises(ValueError, match="already closed"):
+        w.submit(row).result(10)
+    dead = LedgerRow(request_id="dead", key_id=None, model="m", tier="standard", endpoint="completions",
+                     prompt_tokens=3, cached_tokens=0, completion_tokens=16, cost_usd=0.1, queue_s=0.0, total_s=0.1,
+                     status="running", updated_ts=time.time() - 2 * ledger_mod.STALE_S, instance="elsewhere/1/x")
+    ledger_mod.write_row(db, dead)
+    assert ledger_mod.interrupt_abandoned(db, w.instance) == 1
+    got = {r["request_id"]: (r["status"], r["completion_tokens"]) for r in ledger_mod.rows(db)}
+    assert got == {"live": ("finished", 40), "dead": ("interrupted", 16)}
+    w.close()
     db.close()

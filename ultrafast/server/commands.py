@@ -79,10 +79,11 @@ def add_commands(sub) -> None:
     lt = sub.add_parser("loadtest", help="concurrent streaming clients against a running server (loopback)")
     lt.add_argument("--url", default="http://127.0.0.1:8000")
     lt.add_argument("--clients", type=int, default=32)
-    lt.add_argument("--seconds", type=float, default=30)
+    lt.add_argument("--seconds", type=float, default=None, help="default 30 (600 with --soak)")
     lt.add_argument("--model", default=None, help="default: the server's first model")
-    lt.add_argument("--tier-mix", default="standard=1",
-                    help="share of clients per tier, e.g. standard=0.75,ultrafast=0.25 (default standard=1)")
+    lt.add_argument("--tier-mix", default=None,
+                    help="share of clients per tier, e.g. standard=0.75,ultrafast=0.25 (default standard=1; "
+                         "standard=0.5,ultrafast=0.5 with --soak)")
     lt.add_argument("--max-tokens", type=int, default=64)
     lt.add_argument("--api-key", default=None, help="default: $ULTRAFAST_API_KEY or none")
     lt.add_argument("--probe-tokens", type=int, default=96,
@@ -90,6 +91,10 @@ def add_commands(sub) -> None:
     lt.add_argument("--solo-seconds", type=float, default=10,
                     help="first, one client alone for this long (whole requests), to divide the aggregate by "
                          "(0: skip)")
+    lt.add_argument("--soak", action="store_true",
+                    help="a soak (`ultrafast/server/soak.py`): a mix of tiers, n = 2, disconnects and bad requests; "
+                         "reports RSS over time and ledger totals against /metrics (defaults: 32 clients, 600 s, "
+                         "standard=0.5,ultrafast=0.5; no probe, no baseline)")
     lt.add_argument("--json", action="store_true", help="print the results as JSON")
     lt.set_defaults(fn=cmd_loadtest)
 
@@ -192,10 +197,19 @@ def cmd_loadtest(args) -> int:
 
     from .loadtest import LoadTest, parse_tier_mix
 
-    lt = LoadTest(url=args.url, clients=args.clients, seconds=args.seconds, model=args.model,
-                  tier_mix=parse_tier_mix(args.tier_mix), max_tokens=args.max_tokens,
-                  api_key=args.api_key or os.environ.get("ULTRAFAST_API_KEY"), probe_tokens=args.probe_tokens,
-                  solo_seconds=args.solo_seconds)
+    key = args.api_key or os.environ.get("ULTRAFAST_API_KEY")
+    if args.soak:
+        from .soak import Soak
+
+        lt = Soak(url=args.url, clients=args.clients, seconds=args.seconds or 600, model=args.model,
+                  tier_mix=parse_tier_mix(args.tier_mix or "standard=0.5,ultrafast=0.5"),
+                  max_tokens=args.max_tokens, api_key=key)
+    else:
+        lt = LoadTest(url=args.url, clients=args.clients, seconds=args.seconds or 30, model=args.model,
+                      tier_mix=parse_tier_mix(args.tier_mix or "standard=1"), max_tokens=args.max_tokens,
+                      api_key=key, probe_tokens=args.probe_tokens, solo_seconds=args.solo_seconds)
     report = lt.run()
     print(json.dumps(report, indent=1) if args.json else lt.format(report))
+    if args.soak:  # a soak passes with no errors and the ledger agreeing with the metrics
+        return 0 if report["completed"] > 0 and not report["errors"] and report["billing"]["equal"] else 1
     return 0 if report["completed"] > 0 else 1

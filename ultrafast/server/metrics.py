@@ -1,6 +1,6 @@
 """Prometheus metrics, in a registry that belongs to one app (no module-level mutable state).
 
-Exposed at `/metrics`: requests by model/tier/status, HTTP errors by status, tokens by kind and tier,
+Exposed at `/metrics`: requests by model/tier/status, HTTP errors by status, tokens by kind and tier, billed $,
 TTFT, queue time and inter-token latency histograms per tier, queue depth, KV slots in use,
 speculative acceptance (drafted/accepted counters) and tau per request, plus the process collector
 (`process_resident_memory_bytes`, CPU seconds, ...).
@@ -31,6 +31,8 @@ class ServerMetrics:
                                    ["status", "code"], registry=r)
         self.tokens = Counter("ultrafast_tokens", "Tokens by kind (prompt, cached, completion), model and tier",
                               ["model", "tier", "kind"], registry=r)
+        self.cost = Counter("ultrafast_cost_usd", "Billed dollars by model and tier (the ledger's sum)",
+                            ["model", "tier"], registry=r)
         self.ttft = Histogram("ultrafast_ttft_seconds", "Time from arrival to the first token (queue + prefill)",
                               ["model", "tier"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("ultrafast_queue_seconds", "Time from arrival to a KV slot",

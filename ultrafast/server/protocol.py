@@ -68,7 +68,10 @@ class _Sampling(_Request):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)], None] = None
-    seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer")
+    # a 64-bit integer; the document says at most 2**63 - 1024, the largest double below 2**63, so that a JSON
+    # client comparing as doubles never deems 2**63 (which JSON rounds to) within range
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer",
+                                json_schema_extra={"maximum": 2**63 - 1024})
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     logit_bias: Optional[LogitBias] = Field(

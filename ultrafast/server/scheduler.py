@@ -535,6 +535,7 @@ class ModelWorker:
         m.tokens.labels(self.name, req.tier, "prompt").inc(prompt_tokens)
         m.tokens.labels(self.name, req.tier, "cached").inc(cached)
         m.tokens.labels(self.name, req.tier, "completion").inc(completion)
+        m.cost.labels(self.name, req.tier).inc(cost)
         m.prefix_hits.labels(self.name).inc(cached)
         for c in req.candidates:
             if c.result is not None and req.tier == "ultrafast":
