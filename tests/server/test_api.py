@@ -108,7 +108,7 @@ def test_models_and_openapi(env):
     # prompts never empty, /metrics is Prometheus text, streams are event streams
     chat_op = spec["paths"]["/v1/chat/completions"]["post"]
     assert "422" not in chat_op["responses"] and "400" in chat_op["responses"]
-    assert "text/event-stream" in chat_op["responses"]["200"]["content"]
+    assert chat_op["responses"]["200"]["content"]["text/event-stream"]["schema"]["required"] == ["data"]
     assert spec["components"]["schemas"]["TextPart"]["properties"]["type"]["const"] == "text"
     assert spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"] == {"text/plain": {"schema": {"type": "string"}}}
     prompt = json.dumps(spec["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"])

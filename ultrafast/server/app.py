@@ -293,7 +293,9 @@ _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 403: {"
            404: {"model": ErrorResponse}, 413: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
            500: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
 # a generation's 200: JSON, or with "stream": true server-sent events (`data: {chunk}` lines, then `data: [DONE]`)
-_GENERATION = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+_GENERATION = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"], "description": "one server-sent event",
+    "properties": {"data": {"type": "string", "description": "a JSON chunk (or an error object), or [DONE]"}}}}}}}
 
 
 def openapi_document(app: FastAPI) -> dict:

@@ -68,10 +68,10 @@ class _Sampling(_Request):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)], None] = None
-    # a 64-bit integer; the document says at most 2**63 - 1024, the largest double below 2**63, so that a JSON
-    # client comparing as doubles never deems 2**63 (which JSON rounds to) within range
+    # a 64-bit integer; the document's bounds are the doubles nearest inside +-2**63, so that a JSON client
+    # comparing as doubles (where 2**63 + 1 rounds to 2**63) never deems an out-of-range seed within them
     seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer",
-                                json_schema_extra={"maximum": 2**63 - 1024})
+                                json_schema_extra={"minimum": -(2**63) + 1024, "maximum": 2**63 - 1024})
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     logit_bias: Optional[LogitBias] = Field(
