@@ -346,6 +346,37 @@ def test_ultrafast_first_and_more_often(tmp_path):
     assert order[:6] == [3, 3, 1, 3, 3, 1]
 
 
+def test_ultrafast_load_does_not_starve_the_standard_tier(tmp_path):
+    """Six ultrafast requests and one standard one for 4 slots: ultrafast may hold 3 while standard waits, so
+    the standard request is admitted in the first round (a soak saw strict priority starve it for 10 min)."""
+    eng = FakeEngine()
+    w, _ = _worker(tmp_path, eng, slots=4)
+    ultra = [_request([10 + i, 9], 6, tier="ultrafast") for i in range(6)]
+    std = _request([1, 9], 6)
+    for r in ultra + [std]:
+        w.submit(r)
+    w.start()
+    w.wait_ready(10)
+    for r in ultra + [std]:
+        assert r.done.wait(10)
+    w.stop()
+    prefills = [tag for tag, what, *_ in eng.log if what == "prefill"]
+    assert 1 in prefills[:4] and sorted(prefills[:4]) == [1, 10, 11, 12]
+    # with no standard request waiting, ultrafast takes every slot
+    eng2 = FakeEngine()
+    w2, _ = _worker(tmp_path / "b", eng2, slots=4)
+    ultra2 = [_request([10 + i, 9], 4, tier="ultrafast") for i in range(4)]
+    for r in ultra2:
+        w2.submit(r)
+    w2.start()
+    w2.wait_ready(10)
+    for r in ultra2:
+        assert r.done.wait(10)
+    w2.stop()
+    first_round = [tag for tag, what, *_ in eng2.log[:8] if what == "prefill"]  # each: prefill, then a step
+    assert sorted(first_round) == [10, 11, 12, 13]  # all four admitted at once
+
+
 class GatedEngine(FakeEngine):
     """FakeEngine whose request tagged 1 stops at its first token until `gate` is set (the worker is busy)."""
 
