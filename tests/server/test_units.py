@@ -310,6 +310,17 @@ def _worker(tmp_path, engine, slots=1, max_queue=8, weight=2):
                        limiter=RateLimiter(), warmup=False, engine_factory=lambda: engine), db
 
 
+def _run_worker(w, reqs) -> None:
+    """Submit reqs, start the worker, wait for every request, stop it."""
+    for r in reqs:
+        w.submit(r)
+    w.start()
+    w.wait_ready(10)
+    for r in reqs:
+        assert r.done.wait(10)
+    w.stop()
+
+
 def _request(prompt, tokens=3, tier="standard", n=1):
     msgs, done = [], threading.Event()
 
@@ -349,30 +360,16 @@ def test_ultrafast_first_and_more_often(tmp_path):
 def test_ultrafast_load_does_not_starve_the_standard_tier(tmp_path):
     """Six ultrafast requests and one standard one for 4 slots: ultrafast may hold 3 while standard waits, so
     the standard request is admitted in the first round (a soak saw strict priority starve it for 10 min)."""
-    eng = FakeEngine()
-    w, _ = _worker(tmp_path, eng, slots=4)
-    ultra = [_request([10 + i, 9], 6, tier="ultrafast") for i in range(6)]
-    std = _request([1, 9], 6)
-    for r in ultra + [std]:
-        w.submit(r)
-    w.start()
-    w.wait_ready(10)
-    for r in ultra + [std]:
-        assert r.done.wait(10)
-    w.stop()
+    def run(reqs, tmp):
+        eng = FakeEngine()
+        _run_worker(_worker(tmp, eng, slots=4)[0], reqs)
+        return eng
+
+    eng = run([_request([10 + i, 9], 6, tier="ultrafast") for i in range(6)] + [_request([1, 9], 6)], tmp_path)
     prefills = [tag for tag, what, *_ in eng.log if what == "prefill"]
     assert 1 in prefills[:4] and sorted(prefills[:4]) == [1, 10, 11, 12]
     # with no standard request waiting, ultrafast takes every slot
-    eng2 = FakeEngine()
-    w2, _ = _worker(tmp_path / "b", eng2, slots=4)
-    ultra2 = [_request([10 + i, 9], 4, tier="ultrafast") for i in range(4)]
-    for r in ultra2:
-        w2.submit(r)
-    w2.start()
-    w2.wait_ready(10)
-    for r in ultra2:
-        assert r.done.wait(10)
-    w2.stop()
+    eng2 = run([_request([10 + i, 9], 4, tier="ultrafast") for i in range(4)], tmp_path / "b")
     first_round = [tag for tag, what, *_ in eng2.log[:8] if what == "prefill"]  # each: prefill, then a step
     assert sorted(first_round) == [10, 11, 12, 13]  # all four admitted at once
 
@@ -590,14 +587,8 @@ def test_standard_steps_are_batched(tmp_path):
     eng = BatchingEngine()
     w, _ = _worker(tmp_path, eng, slots=4)
     reqs = [_request([i, 9], 5) for i in (1, 2, 3)] + [_request([4, 9], 5, tier="ultrafast")]
-    for r in reqs:
-        w.submit(r)
-    w.start()
-    w.wait_ready(10)
-    for r in reqs:
-        assert r.done.wait(10)
-        assert r.msgs[-1][1]["completion_tokens"] == 5
-    w.stop()
+    _run_worker(w, reqs)
+    assert all(r.msgs[-1][1]["completion_tokens"] == 5 for r in reqs)
     # the three standard requests share one pass per round; the ultrafast one steps on its own
     assert eng.batches == [3, 3, 3, 3]
     assert [e for e in eng.log if e[0] == 4].count((4, "own")) == 4

@@ -63,6 +63,21 @@ def percentile(xs: list[float], q: float) -> float | None:
     return xs[i]
 
 
+def percentiles_by_tier(samples: dict[str, list[float]]) -> dict[str, dict]:
+    """{tier: seconds} -> {tier: {n, p50_s, p99_s}}."""
+    return {t: {"n": len(v), "p50_s": percentile(v, 50), "p99_s": percentile(v, 99)} for t, v in samples.items()}
+
+
+def seconds(x: float | None) -> str:
+    return f"{x:.3f} s" if x is not None else "-"
+
+
+def headline(what: str, r: dict) -> str:
+    """The first line of a report: what ran, against what."""
+    return (f"{what}: {r['clients']} streaming clients for {r['seconds']} s against {r['url']} (model {r['model']}, "
+            f"tiers {', '.join(f'{k}={v:.2f}' for k, v in r['tier_mix'].items())})")
+
+
 def _assign_tiers(n: int, mix: dict[str, float]) -> list[str]:
     out = []
     for tier, share in mix.items():
@@ -101,6 +116,20 @@ class LoadTest:
             raise ValueError(f"cannot reach the server at {self.url}: {e}") from e
         except httpx.HTTPStatusError as e:
             raise ValueError(f"{self.url}: HTTP {e.response.status_code} for {e.request.url.path}") from e
+
+    def _http(self):
+        """The clients' connection pool: one connection per client, and a few for the probes."""
+        import httpx
+
+        limits = httpx.Limits(max_connections=self.clients + 8, max_keepalive_connections=self.clients + 8)
+        return httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600.0), limits=limits)
+
+    async def _resolve_model(self, http) -> None:
+        """No --model: the server's first."""
+        if self.model is None:
+            r = await http.get("/v1/models", headers=self._headers())
+            r.raise_for_status()
+            self.model = r.json()["data"][0]["id"]
 
     def _headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -219,14 +248,8 @@ class LoadTest:
                 "server_decode_tokens_per_s": (info or {}).get("decode_tokens_per_s"), "tau": (info or {}).get("tau")}
 
     async def _run(self) -> dict:
-        import httpx
-
-        limits = httpx.Limits(max_connections=self.clients + 8, max_keepalive_connections=self.clients + 8)
-        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600.0), limits=limits) as http:
-            if self.model is None:
-                r = await http.get("/v1/models", headers=self._headers())
-                r.raise_for_status()
-                self.model = r.json()["data"][0]["id"]
+        async with self._http() as http:
+            await self._resolve_model(http)
             rss_start = await self._rss(http)
             probe_alone = None
             if self.probe_tokens > 0:
@@ -260,19 +283,15 @@ class LoadTest:
             "tier_mix": self.tier_mix, "completed": stats.completed, "cut_at_deadline": stats.cut,
             "errors": dict(stats.errors), "completion_tokens": stats.tokens,
             "tokens_per_s": tps, "one_client_alone": solo, "aggregate_over_one_client": scaling,
-            "ttft": {t: {"n": len(v), "p50_s": percentile(v, 50), "p99_s": percentile(v, 99)}
-                     for t, v in stats.ttft.items()},
+            "ttft": percentiles_by_tier(stats.ttft),
             "rss_bytes": {"start": rss_start, "end": rss_end},
             "ultrafast_probe": {"alone": probe_alone, "under_load": probe_load, "ratio": ratio},
         }
 
     @staticmethod
     def format(r: dict) -> str:
-        def s(x):
-            return f"{x:.3f} s" if x is not None else "-"
-
-        lines = [f"loadtest: {r['clients']} streaming clients for {r['seconds']} s against {r['url']} "
-                 f"(model {r['model']}, tiers {', '.join(f'{k}={v:.2f}' for k, v in r['tier_mix'].items())})",
+        s = seconds
+        lines = [headline("loadtest", r),
                  f"requests completed: {r['completed']}   errors: {sum(r['errors'].values())} {r['errors'] or ''}   "
                  f"cut at the deadline: {r['cut_at_deadline']}",
                  f"completion tokens: {r['completion_tokens']} ({r['tokens_per_s']} tok/s aggregate)"]

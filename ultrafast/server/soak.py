@@ -16,7 +16,7 @@ import random
 import time
 from collections import Counter, defaultdict
 
-from .loadtest import PROMPTS, LoadTest, _assign_tiers, percentile
+from .loadtest import LoadTest, _assign_tiers, headline, percentiles_by_tier, seconds
 
 # (body changes, what it breaks): each must be refused with a 4xx, never served or answered with a 5xx
 BAD_REQUESTS = [
@@ -144,14 +144,8 @@ class Soak(LoadTest):
     # ---------------------------------------------------------------- the run
 
     async def _run(self) -> dict:
-        import httpx
-
-        limits = httpx.Limits(max_connections=self.clients + 8, max_keepalive_connections=self.clients + 8)
-        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600.0), limits=limits) as http:
-            if self.model is None:
-                r = await http.get("/v1/models", headers=self._headers())
-                r.raise_for_status()
-                self.model = r.json()["data"][0]["id"]
+        async with self._http() as http:
+            await self._resolve_model(http)
             metrics0, ledger0 = await self._metric_totals(http), await self._ledger_totals(http)
             st = {"completed": Counter(), "errors": Counter(), "bad": Counter(), "disconnects": 0, "cut": 0,
                   "tokens": 0, "ttft": defaultdict(list), "latency": defaultdict(list)}
@@ -185,21 +179,15 @@ class Soak(LoadTest):
             "bad_requests": {str(k): v for k, v in st["bad"].items()}, "errors": dict(st["errors"]),
             "cut_at_deadline": st["cut"], "completion_tokens": st["tokens"],
             "tokens_per_s": round(st["tokens"] / elapsed, 2) if elapsed else None,
-            "ttft": {t: {"n": len(v), "p50_s": percentile(v, 50), "p99_s": percentile(v, 99)}
-                     for t, v in st["ttft"].items()},
-            "latency": {t: {"n": len(v), "p50_s": percentile(v, 50), "p99_s": percentile(v, 99)}
-                        for t, v in st["latency"].items()},
+            "ttft": percentiles_by_tier(st["ttft"]), "latency": percentiles_by_tier(st["latency"]),
             "rss_bytes": rss, "rss_growth_pct_after_warmup": growth,
             "billing": {"ledger": led, "metrics": m, "equal": equal},
         }
 
     @staticmethod
     def format(r: dict) -> str:
-        def s(x):
-            return f"{x:.3f} s" if x is not None else "-"
-
-        lines = [f"soak: {r['clients']} streaming clients for {r['seconds']} s against {r['url']} (model {r['model']}, "
-                 f"tiers {', '.join(f'{k}={v:.2f}' for k, v in r['tier_mix'].items())})",
+        s = seconds
+        lines = [headline("soak", r),
                  f"requests completed: {r['completed']} {r['completed_by_kind']}   disconnects: {r['disconnects']}   "
                  f"cut at the deadline: {r['cut_at_deadline']}",
                  f"deliberate bad requests refused: {sum(r['bad_requests'].values())} {r['bad_requests']}",
