@@ -17,11 +17,11 @@ K_VALUES = (2, 4, 8, 16)
 
 def check_invariance(engine, prefix: list[int], new: list[int]):
     n = len(prefix)
-    engine._forward(prefix, 0)
+    engine.forward(prefix, 0)
     for k in K_VALUES:
-        block = engine._forward(new[:k], n, all_logits=True)
+        block = engine.forward(new[:k], n, all_logits=True)
         k_cache = engine.cache.k[:, :, n:n + k].clone()
-        singles = torch.cat([engine._forward([t], n + i, all_logits=True) for i, t in enumerate(new[:k])])
+        singles = torch.cat([engine.forward([t], n + i, all_logits=True) for i, t in enumerate(new[:k])])
         assert torch.equal(block, singles), f"k={k} at position {n}: max diff {(block - singles).abs().max()}"
         assert torch.equal(k_cache, engine.cache.k[:, :, n:n + k]), f"k={k}: KV cache differs"
 
@@ -59,7 +59,7 @@ def test_int8_activations_k_invariant(qwen05_path, smollm_path, prefix_len):
         ids = torch.randint(0, 49000, (prefix_len + 16,), generator=g).tolist()
         check_invariance(engine, ids[:prefix_len], ids[prefix_len:])
         int16 = Engine.from_path(path, max_context=512, device="cpu")
-        assert not torch.equal(engine._forward(ids[:prefix_len], 0), int16._forward(ids[:prefix_len], 0))
+        assert not torch.equal(engine.forward(ids[:prefix_len], 0), int16.forward(ids[:prefix_len], 0))
 
 
 def test_int8_activations_need_the_vnni_kernels(smollm_path):
@@ -85,7 +85,7 @@ def test_tiny_models_k_invariant_for_every_packed_type(tmp_path, qtype, arch):
     # VNNI path rounds activations to int16 per block of 32, <= ~3e-5 of sum|x*w| per linear; measured on
     # these tiny models: <= 3e-4 for Q8_0/Q4_0/Q4_1/Q5_0 and <= 5e-3 for the K-quants, whose random-byte
     # test weights are large, up to ~2, and strongly biased per block)
-    a, b = engine._forward(ids, 0, all_logits=True), ref._forward(ids, 0, all_logits=True)
+    a, b = engine.forward(ids, 0, all_logits=True), ref.forward(ids, 0, all_logits=True)
     tol = 1e-4
     if uk.path_in_use() == "vnni-int16" and qtype not in (T.F32, T.F16, T.BF16):
         tol = 2e-2 if qtype in (T.Q4_K, T.Q6_K) else 2e-3
@@ -98,8 +98,8 @@ def test_several_sequences_in_one_pass_equal_each_alone(smollm_engine):
     prompts = [list(range(10, 50)), list(range(300, 317)), list(range(1000, 1090))]
     caches = [e.new_cache() for _ in prompts]
     for p, c in zip(prompts, caches):
-        e._forward(p, 0, cache=c)
+        e.forward(p, 0, cache=c)
     steps = [[7], [8, 9, 10], [11]]  # a decode step, a 3-token verify, a decode step
     batched = e.forward_batch([(s, len(p), c) for s, p, c in zip(steps, prompts, caches)])
-    alone = torch.cat([e._forward(s, len(p), cache=c) for s, p, c in zip(steps, prompts, caches)])
+    alone = torch.cat([e.forward(s, len(p), cache=c) for s, p, c in zip(steps, prompts, caches)])
     assert torch.equal(batched, alone)

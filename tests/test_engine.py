@@ -1,6 +1,7 @@
 """Generation on the real SmolLM2: streaming, stops, limits, seeds, raw prompts with special tokens."""
 
 import pytest
+import torch
 
 from ultrafast.sampler import SamplingParams
 
@@ -66,3 +67,17 @@ def test_bad_prompts(smollm_engine):
         smollm_engine.generate([], SamplingParams())
     with pytest.raises(ValueError, match="out of range"):
         smollm_engine.generate([1, 10**7], SamplingParams())
+
+
+def test_forward_returns_the_hidden_states_a_draft_head_reads(smollm_engine):
+    """Engine.forward(hidden=True): the logits unchanged, and the last layer's output before the final norm for
+    the same rows, from which the model's own norm and head give those logits back bit for bit."""
+    e = smollm_engine
+    ids = e.raw_prompt("The capital of France is")
+    cache = e.new_cache()
+    plain = e.forward(ids, 0, all_logits=True, cache=cache)
+    logits, h = e.forward(ids, 0, all_logits=True, cache=e.new_cache(), hidden=True)
+    assert torch.equal(logits, plain) and h.shape == (len(ids), e.config.dim)
+    assert torch.equal(e.model.output(e.model.norm(h)).float(), logits)
+    last, h_last = e.forward(ids, 0, cache=e.new_cache(), hidden=True)
+    assert torch.equal(h_last, h[-1:]) and torch.equal(last, plain[-1:])

@@ -74,7 +74,7 @@ def test_safetensors_folder_matches_transformers(tmp_path, dtype, arch):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = torch.tensor([5, 17, 99, 256, 3, 200, 42])
     engine = Engine(loaded, model, max_context=64)
-    ours = engine._forward(ids.tolist(), 0, all_logits=True)
+    ours = engine.forward(ids.tolist(), 0, all_logits=True)
     with torch.no_grad():
         ref = hf(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits[0]
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()

@@ -47,7 +47,7 @@ def compare(path, n_tokens, max_context=1024):
     for i, prompt in enumerate(PROMPTS):
         ids = engine.chat_prompt([{"role": "user", "content": prompt}])
         if i < 4:  # logits of the whole prompt agree
-            ours = engine._forward(ids, 0, all_logits=True)
+            ours = engine.forward(ids, 0, all_logits=True)
             with torch.no_grad():
                 theirs = ref(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits[0]
             diff = (ours - theirs).abs().max().item()

@@ -145,7 +145,7 @@ def test_sampling_distribution_is_unchanged(tmp_path):
     table = [[c[t] for t in tokens] for c in (c_std, c_bad, c_pl)]
     assert chi2_contingency(table).pvalue > 0.001
     # and the standard tier follows the model's own distribution at that position
-    logits = engine._forward(prompt + list(prefix), 0)[-1]
+    logits = engine.forward(prompt + list(prefix), 0)[-1]
     probs = torch.softmax(logits.double() / 0.35, -1)
     n = sum(c_std.values())
     top = [t for t in range(len(probs)) if probs[t] * n >= 5]
@@ -157,7 +157,7 @@ def test_sampling_distribution_is_unchanged(tmp_path):
 class _ArgmaxEngine:
     """Logits whose argmax is always token 1: any other draft is rejected."""
 
-    def _forward(self, tokens, pos, all_logits=False, cache=None):
+    def forward(self, tokens, pos, all_logits=False, cache=None):
         out = torch.zeros(len(tokens) if all_logits else 1, 4)
         out[:, 1] = 1.0
         return out

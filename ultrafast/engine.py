@@ -151,10 +151,14 @@ class Engine:
     def new_cache(self) -> KVCache:
         return KVCache(self.config, self.max_context, device=self.device)
 
-    def _forward(self, tokens: list[int], start_pos: int, all_logits: bool = False,
-                 cache: KVCache | None = None, layers: list[int] | None = None) -> torch.Tensor:
+    def forward(self, tokens: list[int], start_pos: int, all_logits: bool = False,
+                cache: KVCache | None = None, layers: list[int] | None = None, hidden: bool = False):
+        """The model over `tokens` at positions start_pos.. in `cache` (default: the engine's own): the logits of
+        the last row [1, V] or of every row (all_logits) [T, V]; with hidden, (logits, the last layer's output
+        for the same rows before the final norm) for drafters that read the target's features. `layers`: only
+        these decoder layers (self-speculation)."""
         t = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.model(t, start_pos, cache or self.cache, all_logits=all_logits, layers=layers)
+        return self.model(t, start_pos, cache or self.cache, all_logits=all_logits, layers=layers, hidden=hidden)
 
     def forward_batch(self, seqs: list[tuple[list[int], int, KVCache]]) -> torch.Tensor:
         """Continuous batching: one pass for several sequences, each (new tokens, start position, its cache).
@@ -229,10 +233,10 @@ def _step_time(engine: "Engine", layers: list[int] | None = None, reps: int = 5,
     """Median time of a forward of `tokens` tokens after 16 (in a scratch cache), through `layers` only if
     given."""
     cache = engine.new_cache()
-    engine._forward(list(range(16)), 0, cache=cache)
+    engine.forward(list(range(16)), 0, cache=cache)
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        engine._forward(list(range(1, tokens + 1)), 16, cache=cache, layers=layers)
+        engine.forward(list(range(1, tokens + 1)), 16, cache=cache, layers=layers)
         times.append(time.perf_counter() - t)
     return sorted(times)[reps // 2]

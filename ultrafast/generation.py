@@ -114,7 +114,7 @@ class Generation:
         self.stepper.begin(self.prompt)
         self.reused = self.cache.reusable_prefix(self.prompt)
         self.cache.tokens = self.cache.tokens[:self.reused]  # rows past this are about to be overwritten
-        logits = self.engine._forward(self.prompt[self.reused:], self.reused, cache=self.cache)
+        logits = self.engine.forward(self.prompt[self.reused:], self.reused, cache=self.cache)
         self.pos = len(self.prompt)
         tok = self.sampler.sample(logits[-1])
         self.ttft = time.perf_counter() - self.t0

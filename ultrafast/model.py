@@ -137,11 +137,11 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache, all_logits: bool = False,
-                layers: list[int] | None = None) -> torch.Tensor:
+                layers: list[int] | None = None, hidden: bool = False):
         """tokens: [T] int64 at positions start_pos.. -> logits [T, vocab] (all_logits) or [1, vocab] (last).
         layers: run only these decoder layers, in order, then the final norm and head (self-speculation's
         draft: the model with some layers skipped); their KV rows are written, the others' left alone."""
-        return self.forward_multi(tokens, [start_pos], [tokens.shape[0]], [cache], all_logits, layers)
+        return self.forward_multi(tokens, [start_pos], [tokens.shape[0]], [cache], all_logits, layers, hidden)
 
     def _rope_to(self, end: int) -> None:
         """Grow the RoPE table to cover positions below `end` (a model's context can be millions of positions;
@@ -156,10 +156,11 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward_multi(self, tokens: torch.Tensor, starts: list[int], lens: list[int], caches: list[KVCache],
-                      all_logits: bool = False, layers: list[int] | None = None) -> torch.Tensor:
+                      all_logits: bool = False, layers: list[int] | None = None, hidden: bool = False):
         """Several sequences in one pass (continuous batching): tokens holds lens[s] rows of sequence s at
         positions starts[s].., each with its own cache. Returns logits of every row (all_logits) or of each
-        sequence's last row [n_sequences, vocab]. Rows never influence each other's values."""
+        sequence's last row [n_sequences, vocab]. Rows never influence each other's values. hidden: also the
+        last layer's output for the same rows, before the final norm (what a draft head reads): (logits, h)."""
         # [T, D], once per pass for every layer; a table, so a position's values never depend on the batch
         self._rope_to(max(s + n for s, n in zip(starts, lens)))
         if len(starts) == 1:  # one sequence: a slice of the table (no gather)
@@ -174,7 +175,8 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, segments)
         if not all_logits:
             x = x[-1:] if len(lens) == 1 else x[torch.tensor(lens, device=x.device).cumsum(0) - 1]
-        return self.output(self.norm(x)).float()
+        logits = self.output(self.norm(x)).float()
+        return (logits, x) if hidden else logits
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (every linear once, one embedding row, the norms)."""

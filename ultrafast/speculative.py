@@ -104,13 +104,13 @@ def forward_times(engine, max_k: int = 16, reps: int = 3, *, prefix: list[int] |
     if len(probe) < max_k + 1:
         raise ValueError(f"measure_r needs {max_k + 1} probe tokens, got {len(probe)}")
     cache = engine.new_cache() if cache is None else cache
-    engine._forward(prefix, 0, cache=cache)
+    engine.forward(prefix, 0, cache=cache)
     times = [0.0]
     for n in range(1, max_k + 2):
         ts = []
         for _ in range(reps):
             t = time.perf_counter()
-            engine._forward(probe[:n], len(prefix), all_logits=True, cache=cache)
+            engine.forward(probe[:n], len(prefix), all_logits=True, cache=cache)
             ts.append(time.perf_counter() - t)
         times.append(sorted(ts)[len(ts) // 2])
     return times
@@ -217,7 +217,7 @@ class SpeculativeStepper:
     def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
         """Emit the tokens after `tok` (at `pos`); `limit` bounds how many this pass may produce."""
         drafter, drafts, cls = self._draft(sampler, min(self.max_k, limit - 1)) if limit > 1 else (None, [], 0)
-        logits = self.engine._forward([tok] + drafts, pos, all_logits=bool(drafts), cache=self.cache)
+        logits = self.engine.forward([tok] + drafts, pos, all_logits=bool(drafts), cache=self.cache)
         out = verify(logits, drafts, sampler)
         self.stats.verify_passes += 1
         self.stats.emitted += len(out)
@@ -252,6 +252,6 @@ class PlainStepper:
         pass
 
     def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
-        logits = self.engine._forward([tok], pos, cache=self.cache)
+        logits = self.engine.forward([tok], pos, cache=self.cache)
         self.stats.record_plain()
         return [sampler.sample(logits[-1])]

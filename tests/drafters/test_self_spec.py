@@ -24,10 +24,10 @@ def test_parse_layers():
 def test_all_layers_is_the_full_forward(smollm_engine):
     e = smollm_engine
     ids = e.raw_prompt("The capital of France is")
-    a = e._forward(ids, 0, all_logits=True, cache=e.new_cache())
-    b = e._forward(ids, 0, all_logits=True, cache=e.new_cache(), layers=list(range(e.config.n_layers)))
+    a = e.forward(ids, 0, all_logits=True, cache=e.new_cache())
+    b = e.forward(ids, 0, all_logits=True, cache=e.new_cache(), layers=list(range(e.config.n_layers)))
     assert torch.equal(a, b)
-    c = e._forward(ids, 0, all_logits=True, cache=e.new_cache(), layers=e.self_spec_layers)
+    c = e.forward(ids, 0, all_logits=True, cache=e.new_cache(), layers=e.self_spec_layers)
     assert not torch.equal(a, c)
 
 
@@ -37,7 +37,7 @@ def test_drafts_leave_the_accepted_rows_alone(smollm_engine):
     e = smollm_engine
     ids = e.raw_prompt("def add(a, b):\n    return")
     cache = e.new_cache()
-    e._forward(ids[:-1], 0, cache=cache)
+    e.forward(ids[:-1], 0, cache=cache)
     n = len(ids) - 1
     before_k, before_v = cache.k.clone(), cache.v.clone()
     drafter = SelfSpecDrafter(e, cache, e.self_spec_layers, 0.5)
@@ -50,7 +50,7 @@ def test_drafts_leave_the_accepted_rows_alone(smollm_engine):
     # the same drafts, one by one, in a fresh copy of the prompt's rows
     ref, ctx = [], list(ids)
     for _ in range(3):
-        logits = e._forward([ctx[-1]], len(ctx) - 1, cache=cache, layers=e.self_spec_layers)[-1]
+        logits = e.forward([ctx[-1]], len(ctx) - 1, cache=cache, layers=e.self_spec_layers)[-1]
         ctx.append(int(logits.argmax()))
         ref.append(ctx[-1])
     assert drafts == ref

@@ -24,7 +24,7 @@ def step_ms(engine, cache, pos: int, steps: int) -> float:
     times = []
     for i in range(steps):
         t = time.perf_counter()
-        engine._forward([300 + i % 7], pos, cache=cache)
+        engine.forward([300 + i % 7], pos, cache=cache)
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1000
 
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     plain = [r.clone() for r in huge]  # ordinary allocations
     cache = engine.new_cache()
     prompt = list(range(100, 228))
-    engine._forward(prompt, 0, cache=cache)
+    engine.forward(prompt, 0, cache=cache)
     res = {"huge pages": [], "4 KB pages": []}
     for _ in range(args.rounds):
         for name, raws in (("huge pages", huge), ("4 KB pages", plain)):

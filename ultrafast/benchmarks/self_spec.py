@@ -40,12 +40,12 @@ def agreement(engine, questions, sets: dict[str, list[int]], tokens: int) -> tup
         out = engine.generate(prompt, SamplingParams(max_tokens=tokens)).token_ids
         seq = prompt + out
         cache = engine.new_cache()
-        engine._forward(seq[:len(prompt) - 1], 0, cache=cache)
+        engine.forward(seq[:len(prompt) - 1], 0, cache=cache)
         for j in range(len(prompt), len(seq)):
             for name, layers in sets.items():  # the draft of seq[j] from seq[j-1], over the full model's rows
-                logits = engine._forward([seq[j - 1]], j - 1, cache=cache, layers=layers)[-1]
+                logits = engine.forward([seq[j - 1]], j - 1, cache=cache, layers=layers)[-1]
                 hits[name] += int(logits.argmax()) == seq[j]
-            engine._forward([seq[j - 1]], j - 1, cache=cache)  # the full model's row back in place
+            engine.forward([seq[j - 1]], j - 1, cache=cache)  # the full model's row back in place
             total += 1
     return {k: v / total for k, v in hits.items()}, total
 

@@ -38,7 +38,7 @@ class DraftModelDrafter:
         if k <= 0 or len(context) + k >= self.engine.max_context:
             return []
         common = self._common(context)
-        logits = self.engine._forward(context[common:], common)[-1]
+        logits = self.engine.forward(context[common:], common)[-1]
         self.fed = list(context)
         drafts = []
         while True:
@@ -46,7 +46,7 @@ class DraftModelDrafter:
             drafts.append(tok)
             if len(drafts) == k:
                 return drafts
-            logits = self.engine._forward([tok], len(self.fed))[-1]
+            logits = self.engine.forward([tok], len(self.fed))[-1]
             self.fed.append(tok)
 
     def propose(self, context: list[int], k: int, sampler=None) -> list[int]:

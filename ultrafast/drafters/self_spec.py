@@ -56,7 +56,7 @@ class SelfSpecDrafter(DraftModelDrafter):
             return []
         history, drafts, tok = list(context), [], context[-1]
         for i in range(k):
-            logits = self.engine._forward([tok], pos + i, cache=self.cache, layers=self.layers)[-1]
+            logits = self.engine.forward([tok], pos + i, cache=self.cache, layers=self.layers)[-1]
             tok = pick(logits, history)
             drafts.append(tok)
             history.append(tok)
