@@ -198,11 +198,9 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits [V] for the next position -> token id; records it in the history (and its logprobs)."""
-        if self.params.greedy:
-            tok = int(torch.argmax(self.adjusted(logits)))
-        else:
-            tok = sample_from(self.distribution(logits), self.uniform(0))
-            self._ahead.pop(0)
+        tok = self.draft(logits, self.history, 0)  # the one rule, here at the next position
+        if not self.params.greedy:
+            self._ahead.pop(0)  # its uniform is used now
         self.history.append(tok)
         if self.logprobs is not None:
             self.logprobs.append(self._logprob(logits, tok))

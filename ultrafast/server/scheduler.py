@@ -531,8 +531,13 @@ class ModelWorker:
         if req.ledger_open and new < SETTLE_TOKENS and (new == 0 or now - req.billed_t < SETTLE_S):
             return
         req.billed_tokens, req.billed_t, req.ledger_open = completion, now, True
-        fut = self.ledger.submit(self._ledger_row(req, "running", completion, now))
+        self._submit_row(self._ledger_row(req, "running", completion, now))
+
+    def _submit_row(self, row: LedgerRow):
+        """Hand a row to the ledger thread; a write that fails counts in ultrafast_ledger_errors."""
+        fut = self.ledger.submit(row)
         fut.add_done_callback(lambda f: f.exception() is not None and self.metrics.ledger_errors.inc())
+        return fut
 
     def _finalize(self, req: GenRequest, status: str, message: str | None = None) -> None:
         if req.finalized:
@@ -544,8 +549,7 @@ class ModelWorker:
         prompt_tokens, cached, cost, tau = row.prompt_tokens, row.cached_tokens, row.cost_usd, row.tau
         first = req.candidates[0].result
         decode_tps, queue_s = row.decode_tokens_per_s, row.queue_s
-        fut = self.ledger.submit(row)
-        fut.add_done_callback(lambda f: f.exception() is not None and self.metrics.ledger_errors.inc())
+        fut = self._submit_row(row)
         m = self.metrics
         m.requests.labels(self.name, req.tier, status).inc()
         m.tokens.labels(self.name, req.tier, "prompt").inc(prompt_tokens)
