@@ -71,7 +71,7 @@ def test_bad_prompts(smollm_engine):
 
 def test_forward_returns_the_hidden_states_a_draft_head_reads(smollm_engine):
     """Engine.forward(hidden=True): the logits unchanged, and the last layer's output before the final norm for
-    the same rows, from which the model's own norm and head give those logits back bit for bit."""
+    every row, from which the model's own norm and head give those logits back bit for bit."""
     e = smollm_engine
     ids = e.raw_prompt("The capital of France is")
     cache = e.new_cache()
@@ -80,4 +80,4 @@ def test_forward_returns_the_hidden_states_a_draft_head_reads(smollm_engine):
     assert torch.equal(logits, plain) and h.shape == (len(ids), e.config.dim)
     assert torch.equal(e.model.output(e.model.norm(h)).float(), logits)
     last, h_last = e.forward(ids, 0, cache=e.new_cache(), hidden=True)
-    assert torch.equal(h_last, h[-1:]) and torch.equal(last, plain[-1:])
+    assert torch.equal(h_last, h) and torch.equal(last, plain[-1:])

@@ -6,7 +6,7 @@ import torch
 from tests.builders import write_tiny_gguf
 from ultrafast.engine import Engine
 from ultrafast.sampler import Sampler, SamplingParams
-from ultrafast.verifier import verify
+from ultrafast.verifier import verify, verify_tree
 
 # target p and draft q at three draft positions and the bonus position, over 6 tokens; q puts mass where p has
 # none (token 5) and misses tokens p wants (token 0 at position 1)
@@ -39,6 +39,38 @@ def test_walk_is_greedy_prefix_plus_bonus():
     assert verify(logits, [3, 1, 4], Sampler(SamplingParams(), [])) == [3, 1, 4, 2]
     with pytest.raises(ValueError, match="rows of logits"):
         verify(logits, [3, 1], Sampler(SamplingParams(), []))
+
+
+def test_tree_walk_follows_the_child_the_target_samples():
+    """Root's argmax 3 -> node 2 (token 3, beside node 1 holding 5); node 2's argmax 1 -> node 4; node 4's
+    argmax 2 is no child's: emitted 3, 1, 2; accepted nodes 2, 4. The chain rule is the tree rule."""
+    tokens, parents = [5, 3, 1, 1, 9], [0, 0, 1, 2, 2]
+    logits = torch.zeros(6, 10)
+    for row, t in enumerate([3, 0, 1, 0, 2, 0]):
+        logits[row, t] = 1.0
+    out, path = verify_tree(logits, tokens, parents, Sampler(SamplingParams(), []))
+    assert out == [3, 1, 2] and path == [2, 4]
+    with pytest.raises(ValueError, match="must come before"):
+        verify_tree(logits, tokens, [0, 0, 3, 2, 2], Sampler(SamplingParams(), []))
+    with pytest.raises(ValueError, match="rows of logits"):
+        verify_tree(logits[:5], tokens, parents, Sampler(SamplingParams(), []))
+
+
+def test_sampled_tree_walk_emits_the_standard_samples():
+    """With a seed, the tokens a tree walk emits are the sampler's own draws in order, whatever the tree."""
+    torch.manual_seed(0)
+    logits = torch.randn(7, 12)
+    params = SamplingParams(temperature=1.0, seed=5)
+    plain = Sampler(params, [1])
+    want = [plain.sample(logits[0])]
+    s = Sampler(params, [1])
+    first = want[0]
+    tokens, parents = [first, (first + 1) % 12, 4, 5, 6, 7], [0, 0, 1, 1, 3, 3]
+    out, path = verify_tree(logits, tokens, parents, s)
+    assert out[0] == want[0] and path[0] == 1
+    ref = Sampler(params, [1])  # replay: each emitted token is the draw at its node's logits
+    nodes = [0] + path
+    assert out == [ref.sample(logits[n]) for n in nodes[:len(out)]]
 
 
 def test_peeking_leaves_the_stream_unchanged():

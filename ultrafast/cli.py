@@ -27,8 +27,10 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 ACT_BITS_HELP = ("precision of the activations inside the quantized linears: 16 (default) or 8 (llama.cpp's; "
                  "about twice the multiply rate in prefill and verification, outputs move slightly)")
 
-DRAFTERS_HELP = ("ultrafast drafters, comma-separated from prompt_lookup,suffix,draft_model,self_spec "
-                 "(default: suffix,prompt_lookup, plus draft_model with --draft-model)")
+DRAFTERS_HELP = ("ultrafast drafters, comma-separated from prompt_lookup,suffix,draft_model,self_spec,head "
+                 "(default: suffix,prompt_lookup, plus draft_model with --draft-model and head with a draft head)")
+DRAFT_HEAD_HELP = ("a draft head for the ultrafast tier: a file from `ultrafast train-draft`, 'auto' (default: the "
+                   "one trained for this model file under $ULTRAFAST_HOME/drafts, if any) or 'none'")
 SELF_SPEC_HELP = ("the target layers the self_spec drafter runs, e.g. 0-8,18-27 (default: all but the middle "
                   "third)")
 
@@ -46,6 +48,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help=DRAFTERS_HELP)
     p.add_argument("--draft-model", default=None, help="a smaller model sharing the tokenizer (name or path)")
     p.add_argument("--self-spec-layers", default=None, help=SELF_SPEC_HELP)
+    p.add_argument("--draft-head", default="auto", help=DRAFT_HEAD_HELP)
 
 
 def _params(args, max_tokens: int | None = None):
@@ -66,7 +69,7 @@ def _load_engine(args):
     t0 = time.perf_counter()
     engine = Engine.from_model(str(path), max_context=args.max_context, device=args.device,
                                draft_model=args.draft_model, activation_bits=args.activation_bits,
-                               self_spec_layers=args.self_spec_layers)
+                               self_spec_layers=args.self_spec_layers, draft_head=args.draft_head)
     info = engine.describe()
     print(f"loaded {path.name} in {time.perf_counter() - t0:.1f}s: {info['layers']} layers, "
           f"weights {info['weight_bytes_held'] / 1e6:.0f} MB held for {info['file_tensor_bytes'] / 1e6:.0f} MB in "
@@ -228,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--draft-model", default=None)
     s.add_argument("--drafters", default=None, help=DRAFTERS_HELP)
     s.add_argument("--self-spec-layers", default=None, help=SELF_SPEC_HELP)
+    s.add_argument("--draft-head", default="auto", help=DRAFT_HEAD_HELP)
     s.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default ../shared/data/spec_bench)")
     s.add_argument("--per-category", type=int, default=5, help="questions per category (default 5)")
     s.add_argument("--all", action="store_true", help="all 480 questions")
@@ -247,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--draft-model", default=None)
     s.add_argument("--drafters", default=None, help=DRAFTERS_HELP)
     s.add_argument("--self-spec-layers", default=None, help=SELF_SPEC_HELP)
+    s.add_argument("--draft-head", default="auto", help=DRAFT_HEAD_HELP)
     s.add_argument("--iterations", type=int, default=6)
     s.add_argument("--max-tokens", type=int, default=512)
     s.add_argument("--threads", type=int, default=2)
@@ -254,10 +259,51 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--activation-bits", type=int, choices=[16, 8], default=16, help=ACT_BITS_HELP)
     s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.agent_loop", fromlist=["main"]).main(a))
 
+    s = sub.add_parser("train-draft", help="train a draft head for a model on this machine (the ultrafast tier "
+                                            "uses it when present)")
+    s.add_argument("--model", default=DEFAULT_MODEL)
+    _recipe_args(s)
+    s.add_argument("--out", default=None, help="where to save the head (default $ULTRAFAST_HOME/drafts/...)")
+    s.add_argument("--restart", action="store_true", help="discard the features and checkpoint of an earlier run")
+    s.add_argument("--threads", type=int, default=2)
+    s.set_defaults(fn=cmd_train_draft)
+
     from .server.commands import add_commands as add_server_commands  # serve, keys, usage, loadtest
 
     add_server_commands(sub)
     return p
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    from dataclasses import fields
+
+    from .training import Recipe
+
+    helps = {"tokens": "training tokens of target features", "seq_len": "tokens per sequence (its first ones)",
+             "epochs": "passes over the features", "depth": "drafting depth trained (passes per sequence)",
+             "lr": "peak learning rate", "batch_tokens": "rows per optimizer step",
+             "draft_vocab": "draft vocabulary size (0: a fifth of the target's)",
+             "ffn_dim": "the head's FFN width (0: the target's, at most 3x its width)",
+             "code_share": "share of training tokens from standard-library Python code",
+             "heldout": "held-out conversations for the report", "reg_weight": "weight of the feature loss",
+             "seed": "data order and initialisation", "bf16": "train under bf16 autocast (1) or fp32 (0)"}
+    for f in fields(Recipe):
+        kind = {"int": int, "float": float, "bool": lambda v: bool(int(v))}[f.type if isinstance(f.type, str) else f.type.__name__]
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
+                       help=f"{helps[f.name]} (default {f.default})")
+
+
+def cmd_train_draft(args) -> int:
+    from dataclasses import fields
+
+    from .training import Recipe, train_draft
+
+    import torch
+
+    recipe = Recipe(**{f.name: getattr(args, f.name) for f in fields(Recipe)})
+    torch.set_num_threads(args.threads)
+    train_draft(args.model, recipe, restart=args.restart, out=args.out)
+    return 0
 
 
 def cmd_bench(args) -> int:

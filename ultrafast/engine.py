@@ -47,6 +47,24 @@ class Engine:
         self.self_spec_layers = default_layers(self.config.n_layers)  # the self_spec drafter's layers
         self.self_spec_cost: float | None = None  # its forward in target forwards, measured on first use
         self.fixed_draft_k: int | None = None  # set: no policy, every pass drafts this many (exactness checks)
+        self.draft_head = None  # a trained draft head for this file (draft_head.py), when one is attached
+        self.head_cost: float | None = None  # its 1-row forward in target forwards, measured on first use
+
+    def attach_draft_head(self, path: str | Path | None = None) -> Path | None:
+        """Attach the draft head at `path`, or (None) the one `ultrafast train-draft` saved for this model file
+        under $ULTRAFAST_HOME/drafts, if any. A head trained for another file is refused (DraftHeadError).
+        Returns the head's path, None when there is none."""
+        from .draft_head import file_sha256, find_head, load_head
+
+        sha = file_sha256(self.loaded.path)
+        path = Path(path) if path else find_head(self.loaded.path, sha)
+        if path is None:
+            return None
+        self.draft_head = load_head(path, self.model, sha)
+        self.head_cost = None
+        if "head" not in self.default_drafters:
+            self.default_drafters = self.default_drafters + ["head"]
+        return path
 
     def use_self_spec_layers(self, text: str) -> None:
         """Which layers the self_spec drafter runs, e.g. '0-8,18-27' (`--self-spec-layers`)."""
@@ -85,10 +103,11 @@ class Engine:
     @classmethod
     def from_model(cls, model: str, *, max_context: int | None = None, device: str | None = None,
                    draft_model: str | None = None, activation_bits: int = 16,
-                   self_spec_layers: str | None = None) -> "Engine":
+                   self_spec_layers: str | None = None, draft_head: str | None = "auto") -> "Engine":
         """A `--model` argument (a registered name, pulled on first use, or a path), with an optional draft
-        model that shares its tokenizer (`--draft-model`) and the self_spec drafter's layers
-        (`--self-spec-layers`)."""
+        model that shares its tokenizer (`--draft-model`), the self_spec drafter's layers
+        (`--self-spec-layers`) and a draft head (`--draft-head`: a path, "auto" for the one trained for this
+        file if any, "none" for none)."""
         from .pull import resolve_model
 
         engine = cls.from_path(resolve_model(model), max_context=max_context, device=device,
@@ -98,6 +117,8 @@ class Engine:
                                                     device=device, activation_bits=activation_bits))
         if self_spec_layers:
             engine.use_self_spec_layers(self_spec_layers)
+        if draft_head and draft_head != "none":
+            engine.attach_draft_head(None if draft_head == "auto" else draft_head)
         return engine
 
     def describe(self) -> dict:
@@ -152,13 +173,15 @@ class Engine:
         return KVCache(self.config, self.max_context, device=self.device)
 
     def forward(self, tokens: list[int], start_pos: int, all_logits: bool = False,
-                cache: KVCache | None = None, layers: list[int] | None = None, hidden: bool = False):
+                cache: KVCache | None = None, layers: list[int] | None = None, hidden: bool = False, tree=None):
         """The model over `tokens` at positions start_pos.. in `cache` (default: the engine's own): the logits of
         the last row [1, V] or of every row (all_logits) [T, V]; with hidden, (logits, the last layer's output
-        for the same rows before the final norm) for drafters that read the target's features. `layers`: only
-        these decoder layers (self-speculation)."""
+        for every row [T, dim], before the final norm) for drafters that read the target's features. `layers`: only
+        these decoder layers (self-speculation). `tree`: the tokens are a token tree's nodes
+        (`token_tree.TreeLayout` rooted at start_pos), verified in one pass."""
         t = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.model(t, start_pos, cache or self.cache, all_logits=all_logits, layers=layers, hidden=hidden)
+        return self.model(t, start_pos, cache or self.cache, all_logits=all_logits, layers=layers, hidden=hidden,
+                          tree=tree)
 
     def forward_batch(self, seqs: list[tuple[list[int], int, KVCache]]) -> torch.Tensor:
         """Continuous batching: one pass for several sequences, each (new tokens, start position, its cache).
@@ -191,10 +214,12 @@ class Engine:
         names = drafters or self.default_drafters
         if "self_spec" in names and self.self_spec_cost is None:
             self.self_spec_cost = _step_time(self, self.self_spec_layers) / _step_time(self)
+        if "head" in names and self.draft_head is not None and self.head_cost is None:
+            self.head_cost = _head_step_time(self) / _step_time(self)
         objs = build_drafters(names, suffix_cache=self.suffix_cache, draft_engine=self.draft_engine,
                               draft_cost=self.draft_cost, draft_feed_cost=self.draft_feed_cost,
                               target=self, cache=cache,
-                              self_spec_cost=self.self_spec_cost)
+                              self_spec_cost=self.self_spec_cost, head_cost=self.head_cost or 0.0)
         return SpeculativeStepper(self, cache, objs, self.r_table, fixed_k=self.fixed_draft_k)
 
     def start(self, prompt_ids: list[int], params: SamplingParams, *, tier: str = "standard",
@@ -227,6 +252,21 @@ class Engine:
                 next(it)
             except StopIteration as done:
                 return done.value
+
+
+def _head_step_time(engine: "Engine", reps: int = 5) -> float:
+    """Median time of one draft token from the draft head (a 1-row head forward and its logits)."""
+    from .drafters.head import HeadDrafter
+
+    d = HeadDrafter(engine, engine.draft_head, 0.0, 64)
+    d.observe(0, torch.zeros(16, engine.config.dim), list(range(1, 17)))
+    d.propose(list(range(17)), 1)  # the catch-up
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        d.propose(list(range(17)), 2)  # the second draft is one more head row
+        times.append(time.perf_counter() - t)
+    return sorted(times)[reps // 2] / 2
 
 
 def _step_time(engine: "Engine", layers: list[int] | None = None, reps: int = 5, tokens: int = 1) -> float:

@@ -114,9 +114,14 @@ class Generation:
         self.stepper.begin(self.prompt)
         self.reused = self.cache.reusable_prefix(self.prompt)
         self.cache.tokens = self.cache.tokens[:self.reused]  # rows past this are about to be overwritten
-        logits = self.engine.forward(self.prompt[self.reused:], self.reused, cache=self.cache)
+        want = getattr(self.stepper, "wants_hidden", False)  # a draft head reads the prompt's features
+        logits = self.engine.forward(self.prompt[self.reused:], self.reused, cache=self.cache, hidden=want)
+        if want:
+            logits, features = logits
         self.pos = len(self.prompt)
         tok = self.sampler.sample(logits[-1])
+        if want:
+            self.stepper.observe(self.reused, features, self.prompt[self.reused + 1:] + [tok])
         self.ttft = time.perf_counter() - self.t0
         self._take([tok])
 

@@ -42,12 +42,16 @@ class QuantEmbedding(nn.Module):
 class AttentionCore(nn.Module):
     """softmax(q k^T * scale) v over the cache, causal, grouped-query. q: [T, H, D]; caches: [Hkv, S, D]."""
 
-    def forward(self, q, k_cache, v_cache, start_pos: int, scale: float) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, start_pos: int, scale: float, tree=None) -> torch.Tensor:
+        """tree: a token tree (`token_tree.TreeLayout`) whose nodes are the T rows: each sees its path only."""
         T, H, D = q.shape
         end = start_pos + T
         k = k_cache[:, :end].repeat_interleave(H // k_cache.shape[0], dim=0)
         v = v_cache[:, :end].repeat_interleave(H // v_cache.shape[0], dim=0)
-        mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start_pos, end, device=q.device)[:, None]
+        if tree is not None:
+            mask = tree.mask.to(q.device)
+        else:
+            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start_pos, end, device=q.device)[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
         return out.transpose(0, 1)
 
@@ -68,8 +72,9 @@ class Attention(nn.Module):
         self.core = AttentionCore()
         self.scale = c.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, segments):
-        """segments: (start_pos, rows, k_cache, v_cache) per sequence whose rows x holds, in order."""
+    def forward(self, x, cos, sin, segments, tree=None):
+        """segments: (start_pos, rows, k_cache, v_cache) per sequence whose rows x holds, in order; tree: the
+        one sequence's rows are a token tree's nodes (`token_tree.TreeLayout`)."""
         T = x.shape[0]
         q = self.wq(x).view(T, self.n_heads, self.head_dim)
         k = self.wk(x).view(T, self.n_kv_heads, self.head_dim)
@@ -81,7 +86,7 @@ class Attention(nn.Module):
         for start, n, k_cache, v_cache in segments:
             k_cache[:, start:start + n] = k[row:row + n].transpose(0, 1)
             v_cache[:, start:start + n] = v[row:row + n].transpose(0, 1)
-            outs.append(self.core(q[row:row + n], k_cache, v_cache, start, self.scale))
+            outs.append(self.core(q[row:row + n], k_cache, v_cache, start, self.scale, tree))
             row += n
         return self.wo(torch.cat(outs).reshape(T, -1))
 
@@ -105,8 +110,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         self.feed_forward = FeedForward(c)
 
-    def forward(self, x, cos, sin, segments):
-        h = x + self.attention(self.attention_norm(x), cos, sin, segments)
+    def forward(self, x, cos, sin, segments, tree=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, segments, tree)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -137,11 +142,13 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache, all_logits: bool = False,
-                layers: list[int] | None = None, hidden: bool = False):
+                layers: list[int] | None = None, hidden: bool = False, tree=None):
         """tokens: [T] int64 at positions start_pos.. -> logits [T, vocab] (all_logits) or [1, vocab] (last).
         layers: run only these decoder layers, in order, then the final norm and head (self-speculation's
-        draft: the model with some layers skipped); their KV rows are written, the others' left alone."""
-        return self.forward_multi(tokens, [start_pos], [tokens.shape[0]], [cache], all_logits, layers, hidden)
+        draft: the model with some layers skipped); their KV rows are written, the others' left alone.
+        tree: the tokens are a token tree's nodes (`token_tree.TreeLayout`, root at start_pos): each at its
+        depth's position, writing its slot, attending its path."""
+        return self.forward_multi(tokens, [start_pos], [tokens.shape[0]], [cache], all_logits, layers, hidden, tree)
 
     def _rope_to(self, end: int) -> None:
         """Grow the RoPE table to cover positions below `end` (a model's context can be millions of positions;
@@ -156,14 +163,19 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward_multi(self, tokens: torch.Tensor, starts: list[int], lens: list[int], caches: list[KVCache],
-                      all_logits: bool = False, layers: list[int] | None = None, hidden: bool = False):
+                      all_logits: bool = False, layers: list[int] | None = None, hidden: bool = False, tree=None):
         """Several sequences in one pass (continuous batching): tokens holds lens[s] rows of sequence s at
         positions starts[s].., each with its own cache. Returns logits of every row (all_logits) or of each
         sequence's last row [n_sequences, vocab]. Rows never influence each other's values. hidden: also the
-        last layer's output for the same rows, before the final norm (what a draft head reads): (logits, h)."""
+        last layer's output for every row, before the final norm (what a draft head reads): (logits, h [T, dim])."""
         # [T, D], once per pass for every layer; a table, so a position's values never depend on the batch
         self._rope_to(max(s + n for s, n in zip(starts, lens)))
-        if len(starts) == 1:  # one sequence: a slice of the table (no gather)
+        if tree is not None:
+            if len(starts) != 1 or len(tree) != lens[0] or tree.start != starts[0]:
+                raise ValueError("a token tree is one sequence whose rows are its nodes, the root first")
+            positions = tree.positions()
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        elif len(starts) == 1:  # one sequence: a slice of the table (no gather)
             cos, sin = self.rope_cos[starts[0]:starts[0] + lens[0]], self.rope_sin[starts[0]:starts[0] + lens[0]]
         else:
             positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(tokens.device)
@@ -172,11 +184,12 @@ class Transformer(nn.Module):
         for i in range(len(self.layers)) if layers is None else layers:
             layer = self.layers[i]
             segments = [(s, n, c.k_layers[i], c.v_layers[i]) for s, n, c in zip(starts, lens, caches)]
-            x = layer(x, cos, sin, segments)
+            x = layer(x, cos, sin, segments) if tree is None else layer(x, cos, sin, segments, tree)
+        h = x
         if not all_logits:
             x = x[-1:] if len(lens) == 1 else x[torch.tensor(lens, device=x.device).cumsum(0) - 1]
         logits = self.output(self.norm(x)).float()
-        return (logits, x) if hidden else logits
+        return (logits, h) if hidden else logits
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (every linear once, one embedding row, the norms)."""

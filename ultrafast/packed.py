@@ -63,8 +63,9 @@ class KernelRMSNorm(nn.Module):
 
 
 class KernelAttentionCore(nn.Module):
-    def forward(self, q, k_cache, v_cache, start_pos: int, scale: float):
-        return kernels.attention(q.contiguous(), k_cache, v_cache, start_pos, scale)
+    def forward(self, q, k_cache, v_cache, start_pos: int, scale: float, tree=None):
+        return kernels.attention(q.contiguous(), k_cache, v_cache, start_pos, scale,
+                                 None if tree is None else tree.kernel_args)
 
 
 class FusedBlock(nn.Module):
@@ -94,13 +95,14 @@ class FusedBlock(nn.Module):
         return all(isinstance(m, PackedLinear) for m in lin) and len({m.act_bits for m in lin}) == 1 and \
             isinstance(block.attention_norm, KernelRMSNorm) and isinstance(block.ffn_norm, KernelRMSNorm)
 
-    def forward(self, x, cos, sin, segments):
+    def forward(self, x, cos, sin, segments, tree=None):
         b = self.block
         starts, lens, kcs, vcs = (list(t) for t in zip(*segments))
         return kernels.decoder_block(x, starts, lens, b.attention_norm.weight, b.ffn_norm.weight,
                                      b.attention_norm.eps, self.raws, self.qtypes, self.biases, kcs, vcs,
                                      cos, sin,
-                                     self.n_heads, self.n_kv_heads, self.head_dim, self.scale, self.act_bits)
+                                     self.n_heads, self.n_kv_heads, self.head_dim, self.scale, self.act_bits,
+                                     None if tree is None else tree.kernel_args)
 
 
 def _swap(model: nn.Module, name: str, new: nn.Module) -> None:

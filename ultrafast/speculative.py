@@ -14,6 +14,12 @@ token in target 1-token forwards (0 for lookups; measured for a draft model). Lo
 are free) and their a is kept per match-length class of the proposal (`match_class`): a long match in a
 re-sent file earns long drafts however the one-token matches fare. When no k > 0 beats a plain step it
 decodes plainly, probing again now and then, so the tier is never meaningfully slower than standard.
+
+A drafter that proposes trees (the draft head: `propose_tree`) returns its nodes ranked by its own likelihood
+of each path; the stepper keeps the prefix of that ranking that maximises expected tokens per pass,
+(1 + c * sum of the kept nodes' likelihoods) / (r(n + 1) + the drafting's cost), c calibrating the drafter's
+likelihoods to what verification accepted so far, and verifies the tree in one forward (`token_tree.py`).
+The lookups' matches join that tree (`token_tree.graft`), each token at its match class's acceptance rate.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from .verifier import verify
+from .token_tree import TreeLayout, graft, keep_path
+from .verifier import verify_tree
 
 
 @dataclass
@@ -34,6 +41,9 @@ class DrafterStats:
     # the same by match-length class (lookup drafters: see match_class), so that a long match is not judged
     # by the short ones' record
     rates: dict[int, float] = field(default_factory=dict)
+    # a tree drafter's recent passes (EMA): nodes accepted and nodes verified, optimistic at first
+    tree_accepted: float = 2.0
+    tree_nodes: float = 4.0
 
     def to_json(self) -> dict:
         return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
@@ -142,6 +152,20 @@ class SpeculativeStepper:
         self.fixed_k, self._turn = fixed_k, 0
         self.stats = SpecStats(by_drafter={d.name: DrafterStats() for d in drafters})
         self._plain_run = 0
+        self._tree_seen = [1.0, 1.0]  # (accepted nodes, predicted) decayed sums: the tree likelihoods' calibration
+        self._tree_pred = 0.0  # the likelihood sum of the tree being verified
+        # drafters that read the target's hidden states (a draft head): every pass hands them the kept rows'
+        self._readers = [d for d in drafters if getattr(d, "wants_hidden", False)]
+
+    @property
+    def wants_hidden(self) -> bool:
+        return bool(self._readers)
+
+    def observe(self, start_pos: int, features, tokens_after: list[int]) -> None:
+        """The target's last-layer features at positions start_pos.. (rows that were kept) and the tokens that
+        followed them: for drafters that read features (the prefill calls this too)."""
+        for d in self._readers:
+            d.observe(start_pos, features, tokens_after)
 
     def begin(self, prompt_ids: list[int]) -> None:
         for d in self.drafters:
@@ -167,9 +191,25 @@ class SpeculativeStepper:
         extra = self.r[2] - 1 + draft_cost + fixed_cost
         return max(self.PROBE_EVERY * (1 + int(16 * draft_cost)), math.ceil(extra / self.PROBE_BUDGET))
 
+    def tree_size(self, scores: list[float], parents: list[int], depth_limit: int, draft_cost: float) -> int:
+        """How many of a ranked tree's nodes to verify (module docstring); nodes deeper than depth_limit are
+        left out (with their descendants, which come later in the ranking)."""
+        calib = self._tree_seen[0] / max(self._tree_seen[1], 1e-9)
+        depths, expected, best_n, best_gain = [0], 1.0, 0, 1.02
+        for n, (s, p) in enumerate(zip(scores, parents), start=1):
+            depths.append(depths[p] + 1)
+            if depths[-1] > depth_limit or n + 1 >= len(self.r):
+                break
+            expected += calib * math.exp(s)
+            gain = expected / (self.r[n + 1] + draft_cost)
+            if gain > best_gain:
+                best_n, best_gain = n, gain
+        return best_n
+
     def _draft(self, sampler, limit: int):
         """Ask drafters in order of recent acceptance; take the first that proposes something worth verifying.
-        Returns (drafter, drafts, match class): the match class 0 for a drafter that is no lookup."""
+        Returns (drafter, drafts, match class, parents): the match class 0 for a drafter that is no lookup;
+        parents None for a chain, else each drafted node's parent (0: the root) in a tree."""
         context = sampler.history
         if self.fixed_k is not None:
             return self._draft_fixed(context, sampler, min(self.fixed_k, limit))
@@ -186,10 +226,19 @@ class SpeculativeStepper:
                 if k == 0 and self._plain_run >= self.probe_interval():
                     k = 1
                 if k > 0:
-                    return d, drafts[:k], cls
+                    return d, drafts[:k], cls, None
                 continue
             # a draft model first feeds what its cache lacks (the whole prompt, the first time): charged too
             catch_up = d.catch_up_cost(context) if hasattr(d, "catch_up_cost") else 0.0
+            if hasattr(d, "propose_tree"):  # a tree costs its levels whatever is kept: judged by its recent passes
+                tree_cost = cost * getattr(d, "tree_depth", 1)
+                n_est = min(len(self.r) - 1, max(2, round(st.tree_nodes) + 1))
+                worth = (1 + st.tree_accepted) / (self.r[n_est] + tree_cost) > 1.02
+                if worth or self._plain_run >= self.probe_interval(tree_cost, catch_up):
+                    drafted = self._draft_tree(d, context, sampler, limit, tree_cost)
+                    if drafted:
+                        return drafted
+                continue
             k = self._best_k(st.rate, limit, cost, catch_up)
             # probe again after a run of plain steps: one token, as rarely as its cost asks (where a second
             # row costs half a step, the 1.5B here, every 17 steps); a drafter that costs forwards even less often
@@ -199,26 +248,68 @@ class SpeculativeStepper:
                 continue
             drafts = d.propose(context, k, sampler)[:k]
             if drafts:
-                return d, drafts, 0
-        return None, [], 0
+                return d, drafts, 0, None
+        return None, [], 0, None
+
+    def _draft_tree(self, d, context, sampler, limit: int, tree_cost: float):
+        """The drafter's ranked tree, the lookups' matches grafted on (each token at its match class's
+        acceptance), cut to the size that pays (`tree_size`; at least one node on a probe)."""
+        toks, parents, scores = d.propose_tree(context, self.max_k, sampler)
+        for lk in self.drafters:
+            if getattr(lk, "cost_per_token", 0.0) == 0.0 and toks:
+                chain = lk.propose(context, self.max_k, sampler)[:self.max_k]
+                rate = self.stats.by_drafter[lk.name].rates.get(match_class(getattr(lk, "match_len", 0)),
+                                                                DrafterStats.rate)
+                if chain and rate > 0.05:
+                    toks, parents, scores = graft(toks, parents, scores, chain, math.log(min(rate, 0.99)))
+        n = self.tree_size(scores, parents, limit, tree_cost)
+        if n == 0 and toks:
+            n = 1  # drafting is spent: verify the likeliest node at least (a row costs less than the tree did)
+        if not n:
+            return None
+        self._tree_pred = sum(math.exp(s) for s in scores[:n])
+        return d, toks[:n], 0, parents[:n]
 
     def _draft_fixed(self, context, sampler, k: int):
-        """k drafts from the drafter whose turn it is (or the next that proposes any)."""
+        """k drafts from the drafter whose turn it is (or the next that proposes any): a tree of k nodes from a
+        drafter that proposes trees."""
         n = len(self.drafters)
         for i in range(n):
             d = self.drafters[(self._turn + i) % n]
-            drafts = d.propose(context, k, sampler)[:k]
+            parents = None
+            if hasattr(d, "propose_tree"):
+                drafts, parents, scores = d.propose_tree(context, k, sampler)
+                self._tree_pred = sum(math.exp(s) for s in scores)
+            else:
+                drafts = d.propose(context, k, sampler)[:k]
             if drafts:
                 self._turn = (self._turn + i + 1) % n
-                return d, drafts, match_class(getattr(d, "match_len", 0))
+                return d, drafts, match_class(getattr(d, "match_len", 0)), parents
         self._turn = (self._turn + 1) % n
-        return None, [], 0
+        return None, [], 0, None
 
     def step(self, tok: int, pos: int, sampler, limit: int) -> list[int]:
         """Emit the tokens after `tok` (at `pos`); `limit` bounds how many this pass may produce."""
-        drafter, drafts, cls = self._draft(sampler, min(self.max_k, limit - 1)) if limit > 1 else (None, [], 0)
-        logits = self.engine.forward([tok] + drafts, pos, all_logits=bool(drafts), cache=self.cache)
-        out = verify(logits, drafts, sampler)
+        drafter, drafts, cls, parents = self._draft(sampler, min(self.max_k, limit - 1)) if limit > 1 \
+            else (None, [], 0, None)
+        chain = list(range(len(drafts)))
+        tree = None if parents is None or parents == chain else TreeLayout([-1] + parents, pos)
+        extra = {"hidden": True} if self.wants_hidden else {}
+        if tree is not None:
+            extra["tree"] = tree
+        logits = self.engine.forward([tok] + drafts, pos, all_logits=bool(drafts), cache=self.cache, **extra)
+        if self.wants_hidden:
+            logits, features = logits
+        out, path = verify_tree(logits, drafts, chain if parents is None else parents, sampler)
+        if tree is not None:
+            keep_path(self.cache, pos, path)  # the accepted nodes' rows where plain decoding writes them
+        if self.wants_hidden:
+            self.observe(pos, features[[0] + path], out)
+        if parents is not None:
+            self._tree_seen = [0.9 * self._tree_seen[0] + len(path), 0.9 * self._tree_seen[1] + self._tree_pred]
+            st = self.stats.by_drafter[drafter.name]
+            st.tree_accepted = (1 - self.EMA) * st.tree_accepted + self.EMA * len(path)
+            st.tree_nodes = (1 - self.EMA) * st.tree_nodes + self.EMA * len(drafts)
         self.stats.verify_passes += 1
         self.stats.emitted += len(out)
         self.stats.cost += self.r[len(drafts) + 1]
@@ -244,6 +335,11 @@ class PlainStepper:
     def __init__(self, engine, cache):
         self.engine, self.cache = engine, cache
         self.stats = SpecStats()
+
+    wants_hidden = False
+
+    def observe(self, start_pos, features, tokens_after):
+        pass
 
     def begin(self, prompt_ids):
         pass

@@ -88,7 +88,7 @@ def main(args) -> int:
     torch.set_num_threads(args.threads)
     engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model,
                                self_spec_layers=args.self_spec_layers,
-                               activation_bits=args.activation_bits)
+                               activation_bits=args.activation_bits, draft_head=args.draft_head)
     std = run_agent_loop(engine, iterations=args.iterations, max_tokens=args.max_tokens, tier="standard")
     fast = run_agent_loop(engine, iterations=args.iterations, max_tokens=args.max_tokens, tier="ultrafast",
                           drafters=drafters)

@@ -152,7 +152,7 @@ def main(args) -> int:
     torch.set_num_threads(args.threads)
     engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model,
                                self_spec_layers=args.self_spec_layers,
-                               activation_bits=args.activation_bits)
+                               activation_bits=args.activation_bits, draft_head=args.draft_head)
     engine.fixed_draft_k = args.fixed_k
     path = engine.loaded.path
     questions = load_questions(Path(args.questions) if args.questions else default_questions_path(),
@@ -166,6 +166,11 @@ def main(args) -> int:
              + "; decode tok/s")
     print(format_table(table, summary, title))
     print(ceiling_line(engine.r_table))
+    head = engine.draft_head
+    if head is not None:
+        print(f"draft head {head.meta['path']}: {head.nbytes_per_token() / 1e6:.1f} MB of weights per draft token, "
+              f"{engine.head_cost:.3f} of a target step per draft token (measured)" if engine.head_cost is not None
+              else f"draft head {head.meta['path']}: not used by these drafters")
     if args.json:
         Path(args.json).write_text(json.dumps({"table": table, "summary": summary}, indent=2))
     return 0 if summary["exact"] else 1

@@ -17,7 +17,8 @@ class Drafter(Protocol):
     # optional: cost_per_token (draft forwards, in target 1-token forwards; 0 if absent: a lookup),
     # catch_up_cost(context) (what it spends before its first draft, e.g. feeding a prompt) and, for
     # lookups, match_len (how many context tokens the last proposal matched: the policy keeps acceptance
-    # per match-length class)
+    # per match-length class); wants_hidden = True and observe(start_pos, features, tokens_after) for a
+    # drafter that reads the target's last-layer features (a draft head): the stepper hands it the rows it kept
 
     def begin(self, prompt_ids: list[int]) -> None:
         """A new request starts with this prompt."""
@@ -30,7 +31,7 @@ class Drafter(Protocol):
         """The request is over; `context` is its prompt and full output."""
 
 
-KNOWN = ("prompt_lookup", "suffix", "draft_model", "self_spec")
+KNOWN = ("prompt_lookup", "suffix", "draft_model", "self_spec", "head")
 
 
 def parse_drafters(text: str | None) -> list[str] | None:
@@ -46,10 +47,12 @@ def parse_drafters(text: str | None) -> list[str] | None:
 
 def build_drafters(names: list, *, suffix_cache=None, draft_engine=None, draft_cost: float = 0.5,
                    draft_feed_cost: float = 0.0, target=None, cache=None,
-                   self_spec_cost: float = 0.75) -> list[Drafter]:
-    """Drafters by name (prompt_lookup, suffix, draft_model, self_spec); Drafter objects pass through.
-    self_spec needs the target engine and the request's KV cache, which it shares."""
+                   self_spec_cost: float = 0.75, head_cost: float = 0.05) -> list[Drafter]:
+    """Drafters by name (prompt_lookup, suffix, draft_model, self_spec, head); Drafter objects pass through.
+    self_spec needs the target engine and the request's KV cache, which it shares; head, the target engine
+    with a draft head attached (`Engine.attach_draft_head`)."""
     from .draft_model import DraftModelDrafter
+    from .head import HeadDrafter
     from .prompt_lookup import PromptLookupDrafter
     from .self_spec import SelfSpecDrafter
     from .suffix import SuffixCache, SuffixDrafter
@@ -70,6 +73,10 @@ def build_drafters(names: list, *, suffix_cache=None, draft_engine=None, draft_c
             if target is None or cache is None:
                 raise ValueError("the self_spec drafter needs the target engine and its KV cache")
             out.append(SelfSpecDrafter(target, cache, target.self_spec_layers, self_spec_cost))
+        elif name == "head":
+            if target is None or getattr(target, "draft_head", None) is None:
+                raise ValueError("the head drafter needs a draft head (`ultrafast train-draft`, or --draft-head)")
+            out.append(HeadDrafter(target, target.draft_head, head_cost or 0.05, target.max_context))
         else:
             raise ValueError(f"unknown drafter {name!r}; known: {', '.join(KNOWN)}")
     return out

@@ -313,28 +313,33 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: int,
-              scale: float) -> torch.Tensor:
+              scale: float, tree=None) -> torch.Tensor:
     """Causal grouped-query attention for k new tokens at positions start_pos .. start_pos+k-1.
 
     q: [k, n_heads, head_dim]; k_cache, v_cache: [n_kv_heads, max_len, head_dim] already holding positions
     0 .. start_pos+k-1. Head h reads kv head h // (n_heads // n_kv_heads); query i sees positions
     <= start_pos+i. Returns [k, n_heads, head_dim] fp32, bit-identical per query whatever k.
+    tree: a token tree's key lists (`TreeLayout.kernel_args`): query i then sees the rows its node's path
+    lists instead, with the same bits as if that path had been fed one token at a time.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise _not_tensor(name, t)
-    return _ext_or_load().attention(q, k_cache, v_cache, start_pos, scale)
+    keys, extra = tree if tree is not None else (None, None)
+    return _ext_or_load().attention(q, k_cache, v_cache, start_pos, scale, keys, extra)
 
 
 def decoder_block(x, starts, lens, attn_norm, ffn_norm, eps: float, weights, qtypes, biases, k_caches, v_caches,
                   cos, sin, n_heads: int, n_kv_heads: int, head_dim: int, scale: float,
-                  act_bits: int = 16) -> torch.Tensor:
+                  act_bits: int = 16, tree=None) -> torch.Tensor:
     """One whole decoder layer in one call (see qmatmul.cpp): returns the new residual stream [T, d].
 
     The T rows are segments of one or more sequences: lens[s] rows at positions starts[s].., whose new keys
     and values go into k_caches[s]/v_caches[s] [n_kv_heads, max_len, head_dim]. weights/qtypes: the raw GGUF
     rows and type ids of wq, wk, wv, wo, w1 (gate), w3 (up), w2 (down); biases: [] or [bq, bk, bv];
-    cos/sin: [T, head_dim] RoPE rows of the rows' positions. Batch-invariant like the rest."""
+    cos/sin: [T, head_dim] RoPE rows of the rows' positions. Batch-invariant like the rest.
+    tree: a token tree's key lists for one sequence (`TreeLayout.kernel_args`, see `attention`)."""
+    keys, extra = tree if tree is not None else (None, None)
     return _ext_or_load().decoder_block(x, list(starts), list(lens), attn_norm, ffn_norm, eps, list(weights),
                                         list(qtypes), list(biases), list(k_caches), list(v_caches), cos, sin,
-                                        n_heads, n_kv_heads, head_dim, scale, act_bits)
+                                        n_heads, n_kv_heads, head_dim, scale, act_bits, keys, extra)

@@ -114,6 +114,10 @@ bool decoder_layer(const LayerArgs& a) {
       seg_of[row] = s;
       pos_of[row] = a.starts[s] + i;
       maxlen = maxlen > pos_of[row] + 1 ? maxlen : pos_of[row] + 1;
+      if (a.tree_keys) {
+        const int64_t L = a.tree_keys[2 * row] + a.tree_keys[2 * row + 1];
+        maxlen = maxlen > L ? maxlen : L;
+      }
     }
   const int64_t lds = (maxlen + 16 + 15) / 16 * 16;
   // scratch: activations, prepared inputs, attention scores: the calling thread's scratch, carved in 64-byte aligned
@@ -200,9 +204,11 @@ bool decoder_layer(const LayerArgs& a) {
         const int64_t h0 = kvh * group + sub * gh;
         const int64_t hn = gh < (kvh + 1) * group - h0 ? gh : (kvh + 1) * group - h0;
         const int64_t s_ = seg_of[i];
+        const int64_t P = a.tree_keys ? a.tree_keys[2 * i] : pos_of[i] + 1;
+        const int64_t L = a.tree_keys ? P + a.tree_keys[2 * i + 1] : P;
         a.attn(q + (i * a.n_heads + h0) * hd, (int)hn, a.kc[s_] + kvh * a.ks0[s_],
-                          a.vc[s_] + kvh * a.vs0[s_], pos_of[i] + 1, hd, a.scale, sc, lds,
-                          att + (i * a.n_heads + h0) * hd);
+                          a.vc[s_] + kvh * a.vs0[s_], L, hd, a.scale, sc, lds,
+                          att + (i * a.n_heads + h0) * hd, P, a.tree_keys ? a.tree_extra + a.tree_off[i] : nullptr);
       }
     }
 #pragma omp barrier

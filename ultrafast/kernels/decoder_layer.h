@@ -22,6 +22,11 @@ struct LayerArgs {
   float *const *kc, *const *vc;  // per sequence: [n_kv_heads, max_len, hd] caches, rows contiguous
   const int64_t *ks0, *vs0;
   const float *cos, *sin;  // [T, hd]
+  // A token tree (one sequence): row r attends cache rows 0..tree_keys[2r]-1, then the tree_keys[2r+1] rows
+  // listed at tree_extra + tree_off[r] (its ancestors and itself). Null: causal, rows 0..position.
+  const int64_t* tree_keys;
+  const int32_t* tree_extra;
+  const int64_t* tree_off;
   int nthreads;
   bool x8;  // int8 activations in the linears (else int16)
 };

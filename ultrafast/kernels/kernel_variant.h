@@ -29,10 +29,11 @@ struct LinearOps {
                int64_t ldy, int64_t n0, int64_t n1, bool x8);
 };
 
-// Causal attention of one query position for G heads sharing one kv head (contract of attn_group_avx512 in
-// qmatmul_kernels.h, for any head_dim).
+// Attention of one query position for G heads sharing one kv head over L keys (contract of attn_group_avx512
+// in qmatmul_kernels.h, for any head_dim): key j is cache row j for j < P, row extra[j - P] after (a token
+// tree's ancestors; extra == nullptr: P == L, the causal prefix).
 using AttentionOp = void (*)(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd,
-                             float scale, float* scores, int64_t lds, float* out);
+                             float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra);
 
 // The path requested for the process: auto (the fastest this CPU runs), fp32 (quantized types stay on the
 // AVX-512 fp32 kernels) or scalar. force_scalar is kept apart for tests that toggle it alone.

@@ -121,8 +121,33 @@ torch::Tensor rmsnorm(const torch::Tensor& x_in, const torch::Tensor& w_in, doub
   return y;
 }
 
+// A token tree's key lists (see LayerArgs): keys [T, 2] int64 (prefix length, number of listed rows) and the
+// listed rows, int32, row after row; checked against the cache length. Returns each row's offset into them.
+std::vector<int64_t> tree_offsets(const torch::Tensor& keys, const torch::Tensor& extra, int64_t T, int64_t maxlen,
+                                  int64_t hd) {
+  TORCH_CHECK_VALUE(keys.scalar_type() == torch::kInt64 && keys.dim() == 2 && keys.size(0) == T && keys.size(1) == 2 &&
+                        keys.is_contiguous() && extra.scalar_type() == torch::kInt32 && extra.dim() == 1 &&
+                        extra.is_contiguous(),
+                    "tree: keys must be int64 [T, 2] and the listed rows int32 [n], contiguous");
+  TORCH_CHECK_VALUE(hd <= 256, "tree: head_dim above 256 is not supported");
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int32_t* e = extra.data_ptr<int32_t>();
+  std::vector<int64_t> off((size_t)T);
+  int64_t o = 0;
+  for (int64_t r = 0; r < T; ++r) {
+    TORCH_CHECK_VALUE(k[2 * r] >= 1 && k[2 * r + 1] >= 0 && k[2 * r] + k[2 * r + 1] <= maxlen,
+                      "tree: row ", r, " has a bad key list");
+    off[(size_t)r] = o;
+    o += k[2 * r + 1];
+  }
+  TORCH_CHECK_VALUE(o == extra.numel(), "tree: the listed rows do not add up");
+  for (int64_t i = 0; i < o; ++i) TORCH_CHECK_VALUE(e[i] >= 0 && e[i] < maxlen, "tree: listed row past the cache");
+  return off;
+}
+
 torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& kc, const torch::Tensor& vc, int64_t start_pos,
-                        double scale) {
+                        double scale, const c10::optional<torch::Tensor>& tree_keys,
+                        const c10::optional<torch::Tensor>& tree_extra) {
   TORCH_CHECK_VALUE(q_in.device().is_cpu() && kc.device().is_cpu() && vc.device().is_cpu(),
                     "attention: tensors must be on the CPU");
   TORCH_CHECK_VALUE(q_in.scalar_type() == torch::kFloat32 && kc.scalar_type() == torch::kFloat32 &&
@@ -146,6 +171,11 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& kc, cons
                     start_pos + k - 1, " exceed the cache length ", maxlen);
   auto out = torch::empty_like(q);
   if (k == 0 || H == 0 || hd == 0) return out;
+  const bool tree = tree_keys.has_value() && tree_keys->defined();
+  std::vector<int64_t> toff;
+  if (tree) toff = tree_offsets(*tree_keys, *tree_extra, k, maxlen, hd);
+  const int64_t* tk = tree ? tree_keys->data_ptr<int64_t>() : nullptr;
+  const int32_t* te = tree ? tree_extra->data_ptr<int32_t>() : nullptr;
   const float* qp = q.data_ptr<float>();
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
@@ -167,10 +197,12 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& kc, cons
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i = t / (Hkv * nsub), rem = t % (Hkv * nsub), kvh = rem / nsub, sub = rem % nsub;
       const int64_t h0 = kvh * group + sub * gh, hn = std::min<int64_t>(gh, (kvh + 1) * group - h0);
-      const int64_t L = start_pos + i + 1;
+      const int64_t P = tree ? tk[2 * i] : start_pos + i + 1;
+      const int64_t L = tree ? P + tk[2 * i + 1] : P;
       const float* qi = qp + (i * H + h0) * hd;
       float* oi = op + (i * H + h0) * hd;
-      attend(qi, (int)hn, kp + kvh * ks0, vp + kvh * vs0, L, hd, fscale, scores.data(), lds, oi);
+      attend(qi, (int)hn, kp + kvh * ks0, vp + kvh * vs0, L, hd, fscale, scores.data(), lds, oi, P,
+             tree ? te + toff[(size_t)i] : nullptr);
     }
   });
   return out;
@@ -191,7 +223,8 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
                             const std::vector<int64_t>& qt, const std::vector<torch::Tensor>& bias_in,
                             const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
                             const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads,
-                            int64_t hd, double scale, int64_t act_bits) {
+                            int64_t hd, double scale, int64_t act_bits, const c10::optional<torch::Tensor>& tree_keys,
+                            const c10::optional<torch::Tensor>& tree_extra) {
   TORCH_CHECK_VALUE(act_bits == 16 || act_bits == 8, "decoder_block: act_bits must be 16 or 8, got ", act_bits);
   TORCH_CHECK_VALUE(w.size() == 7 && qt.size() == 7, "decoder_block: expected 7 linears");
   TORCH_CHECK_VALUE(bias_in.empty() || bias_in.size() == 3, "decoder_block: expected 0 or 3 biases");
@@ -272,6 +305,13 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
   a.cos = cos.data_ptr<float>(), a.sin = sin.data_ptr<float>();
   a.nthreads = at::get_num_threads();
   a.x8 = act_bits == 8;
+  std::vector<int64_t> toff;
+  if (tree_keys.has_value() && tree_keys->defined()) {
+    TORCH_CHECK_VALUE(nseg == 1, "decoder_block: a token tree is one sequence");
+    toff = tree_offsets(*tree_keys, *tree_extra, T, kcs[0].size(1), hd);
+    a.tree_keys = tree_keys->data_ptr<int64_t>(), a.tree_extra = tree_extra->data_ptr<int32_t>();
+    a.tree_off = toff.data();
+  }
   TORCH_CHECK(decoder_layer(a), "decoder_block: out of memory");
   return x;
 }
@@ -322,12 +362,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &ultrafast::rmsnorm, "row-wise RMSNorm", py::arg("x"), py::arg("weight"), py::arg("eps"),
         py::call_guard<py::gil_scoped_release>());
   m.def("attention", &ultrafast::attention, "causal GQA attention over a KV cache", py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("start_pos"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("v_cache"), py::arg("start_pos"), py::arg("scale"), py::arg("tree_keys") = py::none(),
+        py::arg("tree_extra") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("decoder_block", &ultrafast::decoder_block, "one decoder layer in one call", py::arg("x"),
         py::arg("starts"), py::arg("lens"), py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("eps"), py::arg("w"),
         py::arg("qt"), py::arg("bias"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"), py::arg("sin"),
         py::arg("n_heads"),
-        py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("act_bits") = 16, py::call_guard<py::gil_scoped_release>());
+        py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("act_bits") = 16,
+        py::arg("tree_keys") = py::none(), py::arg("tree_extra") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("avx512_supported", &ultrafast::avx512_usable, "whether this CPU can run the AVX-512 path");
   m.def("avx512_active", &ultrafast::avx512_in_use, "whether the AVX-512 path is in use");
   m.def("set_force_scalar", &ultrafast::force_scalar, "force the portable scalar path (testing)");

@@ -41,6 +41,7 @@
 #endif
 
 #include <immintrin.h>
+#include <cstring>
 
 #define UF_INLINE inline __attribute__((always_inline))
 #define UF_INLINE_LAMBDA __attribute__((always_inline))
@@ -614,9 +615,10 @@ UF_INLINE __m512 transpose_reduce16(const __m512* a) {
 }
 
 // out[g] = inv[g] * sum_j p[g][j] * v_j over dims [16*v0, 16*(v0+NV)) for G <= 6 heads (NV <= 4)
+// Value rows: j < P are rows j, later ones rows extra[j - P] (the same accumulation order either way).
 template <int NV, int G>
 __attribute__((noinline)) void attn_pv_chunk(const float* vc, int64_t L, int64_t hd, const float* sc, int64_t lds,
-                                             int v0, const float* inv, float* out) {
+                                             int v0, const float* inv, float* out, int64_t P, const int32_t* extra) {
   __m512 o[G][NV];
 #pragma GCC unroll 6
   for (int g = 0; g < G; ++g)
@@ -625,8 +627,9 @@ __attribute__((noinline)) void attn_pv_chunk(const float* vc, int64_t L, int64_t
   const float* vb = vc + 16 * v0;
   for (int64_t j = 0; j < L; ++j) {
     __m512 vv[NV];
+    const int64_t jr = extra == nullptr || j < P ? j : (int64_t)extra[j - P];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(vb + j * hd + 16 * v);
+    for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(vb + jr * hd + 16 * v);
 #pragma GCC unroll 6
     for (int g = 0; g < G; ++g) {
       const __m512 pj = _mm512_set1_ps(sc[g * lds + j]);
@@ -644,14 +647,14 @@ __attribute__((noinline)) void attn_pv_chunk(const float* vc, int64_t L, int64_t
 
 template <int NV>
 UF_INLINE void attn_pv_heads(int G, const float* vc, int64_t L, int64_t hd, const float* sc, int64_t lds, int v0,
-                             const float* inv, float* out) {
+                             const float* inv, float* out, int64_t P, const int32_t* ex) {
   switch (G) {
-    case 1: attn_pv_chunk<NV, 1>(vc, L, hd, sc, lds, v0, inv, out); break;
-    case 2: attn_pv_chunk<NV, 2>(vc, L, hd, sc, lds, v0, inv, out); break;
-    case 3: attn_pv_chunk<NV, 3>(vc, L, hd, sc, lds, v0, inv, out); break;
-    case 4: attn_pv_chunk<NV, 4>(vc, L, hd, sc, lds, v0, inv, out); break;
-    case 5: attn_pv_chunk<NV, 5>(vc, L, hd, sc, lds, v0, inv, out); break;
-    default: attn_pv_chunk<NV, 6>(vc, L, hd, sc, lds, v0, inv, out); break;
+    case 1: attn_pv_chunk<NV, 1>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
+    case 2: attn_pv_chunk<NV, 2>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
+    case 3: attn_pv_chunk<NV, 3>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
+    case 4: attn_pv_chunk<NV, 4>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
+    case 5: attn_pv_chunk<NV, 5>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
+    default: attn_pv_chunk<NV, 6>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
   }
 }
 
@@ -692,14 +695,25 @@ bool qmm_rows_avx512(int qtype, const uint8_t* xg, int64_t k, int64_t K, const u
 }
 
 void attn_group_avx512(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd, float scale,
-                       float* scores, int64_t lds, float* out) {
+                       float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra) {
   // Heads g < G (query vectors q + g*hd, outputs out + g*hd) all read the same kv head, so every key and
   // value row is loaded once for the group. Per head the arithmetic is the same whatever G is.
   const int64_t nv = hd / 16;
-  // pass 1: scores, 16 keys at a time; a partial last block leaves the missing keys' sums at zero
+  if (extra == nullptr) P = L;
+  // pass 1: scores, 16 keys at a time; a partial last block leaves the missing keys' sums at zero. Blocks
+  // past the contiguous prefix (a tree's ancestors) gather their rows into `tb` first: the same values in the
+  // same lanes, so the same sums.
+  alignas(64) float tb[16 * 256];
   for (int64_t j0 = 0; j0 < L; j0 += 16) {
     const int cnt = L - j0 < 16 ? (int)(L - j0) : 16;
     const float* kb = kc + j0 * hd;
+    if (j0 + cnt > P && hd <= 256) {
+      for (int t = 0; t < cnt; ++t) {
+        const int64_t j = j0 + t, jr = j < P ? j : (int64_t)extra[j - P];
+        std::memcpy(tb + t * hd, kc + jr * hd, sizeof(float) * (size_t)hd);
+      }
+      kb = tb;
+    }
     for (int g = 0; g < G; ++g) {
       const float* qg = q + g * hd;
       __m512 acc[16];
@@ -751,10 +765,10 @@ void attn_group_avx512(const float* q, int G, const float* kc, const float* vc, 
     float* og = out + g0 * hd;
     for (int v0 = 0; v0 < (int)nv; v0 += 4) {
       switch ((int)nv - v0 < 4 ? (int)nv - v0 : 4) {
-        case 1: attn_pv_heads<1>(gc, vc, L, hd, sc, lds, v0, inv + g0, og); break;
-        case 2: attn_pv_heads<2>(gc, vc, L, hd, sc, lds, v0, inv + g0, og); break;
-        case 3: attn_pv_heads<3>(gc, vc, L, hd, sc, lds, v0, inv + g0, og); break;
-        default: attn_pv_heads<4>(gc, vc, L, hd, sc, lds, v0, inv + g0, og); break;
+        case 1: attn_pv_heads<1>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
+        case 2: attn_pv_heads<2>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
+        case 3: attn_pv_heads<3>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
+        default: attn_pv_heads<4>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
       }
     }
   }
@@ -786,7 +800,8 @@ bool qmm_rows_avx512(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int6
                      bool) {
   return false;
 }
-void attn_group_avx512(const float*, int, const float*, const float*, int64_t, int64_t, float, float*, int64_t, float*) {}
+void attn_group_avx512(const float*, int, const float*, const float*, int64_t, int64_t, float, float*, int64_t, float*,
+                       int64_t, const int32_t*) {}
 }  // namespace ultrafast
 
 #endif

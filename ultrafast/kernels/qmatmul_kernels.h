@@ -51,7 +51,7 @@ void qmm_prep_scalar(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t 
 bool qmm_rows_scalar(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
                      int64_t ldy, int64_t n0, int64_t n1, bool x8);
 void attn_group_scalar(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t head_dim,
-                       float scale, float* scores, int64_t lds, float* out);
+                       float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra);
 
 // ---- AVX-512 fp32 path (qmatmul_avx512.cpp): every type.
 // True when this CPU can run the AVX-512 kernels (F, BW, VL, DQ + FMA/F16C), checked at runtime.
@@ -73,9 +73,11 @@ bool qmm_rows_avx512(int qtype, const uint8_t* xg, int64_t k, int64_t K, const u
 // out[g*hd + d] = sum_j softmax_j(scale * q_g . k_j) v_j[d] over keys j < L. q holds the G query vectors
 // (hd floats apart), kc/vc point at position 0 of the kv head (rows hd floats apart), scores has room for
 // G rows of lds >= L + 16 floats. head_dim % 16 == 0. The result for a head depends only on its query
-// vector, the first L keys/values and L.
+// vector, the L keys/values and L. Keys are cache rows 0..P-1, then rows extra[0..L-P-1] (a token tree: the
+// ancestors of the query's node); extra == nullptr means P == L. A row's result is the same bits whether its
+// keys are contiguous or listed, for the same key sequence.
 void attn_group_avx512(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t head_dim,
-                       float scale, float* scores, int64_t lds, float* out);
+                       float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra);
 
 // ---- AVX512-VNNI integer path (qmatmul_vnni.cpp): int16 activations (per 32-block scale; x8: int8, as
 // llama.cpp), exact integer dot products with the file's quantized weights. Types Q4_0, Q4_1, Q5_0, Q8_0,

@@ -179,10 +179,11 @@ UF_CLONES void qmm_rows_scalar_x(int qtype, const float* x, int64_t ldx, int64_t
 }
 
 void attn_one_scalar(const float* q, const float* kc, const float* vc, int64_t L, int64_t hd, float scale,
-                     float* scores, float* out) {
+                     float* scores, float* out, int64_t P, const int32_t* extra) {
+  auto row = [&](int64_t j) -> int64_t { return extra == nullptr || j < P ? j : (int64_t)extra[j - P]; };
   float mx = -INFINITY;
   for (int64_t j = 0; j < L; ++j) {
-    const float* kj = kc + j * hd;
+    const float* kj = kc + row(j) * hd;
     float a[16] = {0};
     for (int64_t d = 0; d < hd; ++d) a[d & 15] = a[d & 15] + q[d] * kj[d];
     const float s = lane_sum16(a) * scale;
@@ -199,7 +200,7 @@ void attn_one_scalar(const float* q, const float* kc, const float* vc, int64_t L
   for (int64_t d = 0; d < hd; ++d) out[d] = 0.0f;
   for (int64_t j = 0; j < L; ++j) {
     const float p = scores[j];
-    const float* vj = vc + j * hd;
+    const float* vj = vc + row(j) * hd;
     for (int64_t d = 0; d < hd; ++d) out[d] = out[d] + p * vj[d];
   }
   for (int64_t d = 0; d < hd; ++d) out[d] = out[d] * inv;
@@ -222,8 +223,8 @@ bool qmm_rows_scalar(int qtype, const uint8_t* xg, int64_t k, int64_t K, const u
 }
 
 void attn_group_scalar(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd, float scale,
-                       float* scores, int64_t, float* out) {
-  for (int g = 0; g < G; ++g) attn_one_scalar(q + g * hd, kc, vc, L, hd, scale, scores, out + g * hd);
+                       float* scores, int64_t, float* out, int64_t P, const int32_t* extra) {
+  for (int g = 0; g < G; ++g) attn_one_scalar(q + g * hd, kc, vc, L, hd, scale, scores, out + g * hd, P, extra);
 }
 
 }  // namespace ultrafast

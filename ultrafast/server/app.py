@@ -61,6 +61,7 @@ class ServerConfig:
     drafters: list[str] | None = None  # the ultrafast tier's drafters (default: the engine's)
     draft_model: Any = None  # path of a draft model for the (one) model served
     self_spec_layers: str | None = None  # the self_spec drafter's layers, e.g. "0-8,18-27"
+    draft_head: str | None = "auto"  # a draft head file, "auto" (the one trained for the model file, if any) or "none"
     engine_factories: dict = field(default_factory=dict)  # name -> callable returning an Engine (tests)
 
     @property
@@ -95,6 +96,7 @@ class Server:
                               device=config.device, warmup=config.warmup, threads=config.threads,
                               activation_bits=config.activation_bits, drafters=config.drafters,
                               draft_model=config.draft_model, self_spec_layers=config.self_spec_layers,
+                              draft_head=config.draft_head,
                               engine_factory=config.engine_factories.get(name))
             for name, path in config.models}
 

@@ -43,7 +43,11 @@ def add_commands(sub) -> None:
                         "room for the HTTP side")
     s.add_argument("--drafters", default=None,
                    help="the ultrafast tier's drafters, comma-separated from prompt_lookup,suffix,draft_model,"
-                        "self_spec (default: suffix,prompt_lookup, plus draft_model with --draft-model)")
+                        "self_spec,head (default: suffix,prompt_lookup, plus draft_model with --draft-model and "
+                        "head with a draft head)")
+    s.add_argument("--draft-head", default="auto",
+                   help="a draft head from `ultrafast train-draft`: a file, 'auto' (default: the one trained for the "
+                        "model file, if any) or 'none'")
     s.add_argument("--draft-model", default=None,
                    help="a smaller model sharing the tokenizer, drafting for the (one) --model: name or path")
     s.add_argument("--self-spec-layers", default=None, help="the self_spec drafter's layers, e.g. 0-8,18-27")
@@ -123,7 +127,7 @@ def cmd_serve(args) -> int:
                           ultrafast_weight=args.ultrafast_weight, device=args.device, warmup=not args.no_warmup,
                           threads=args.threads, activation_bits=args.activation_bits, drafters=drafters,
                           draft_model=resolve_model(args.draft_model) if args.draft_model else None,
-                          self_spec_layers=args.self_spec_layers)
+                          self_spec_layers=args.self_spec_layers, draft_head=args.draft_head)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     srv = app.state.server

