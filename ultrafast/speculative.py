@@ -151,6 +151,9 @@ class SpeculativeStepper:
         # that exercises every drafter and every rollback, `specbench --fixed-k`; slower than the policy)
         self.fixed_k, self._turn = fixed_k, 0
         self.stats = SpecStats(by_drafter={d.name: DrafterStats() for d in drafters})
+        for d in drafters:  # a tree drafter's own estimate of what its trees get accepted (the head's report)
+            if hasattr(d, "expected_accepted"):
+                self.stats.by_drafter[d.name].tree_accepted = d.expected_accepted
         self._plain_run = 0
         self._tree_seen = [1.0, 1.0]  # (accepted nodes, predicted) decayed sums: the tree likelihoods' calibration
         self._tree_pred = 0.0  # the likelihood sum of the tree being verified

@@ -57,3 +57,16 @@ def test_the_ultrafast_tier_with_the_head_is_the_standard_tier(tiny_head, smollm
             rejected += st["drafted"] - st["accepted"]
         assert fast.cached_tokens > 0
     assert kept > 0 and rejected > 0
+
+
+def test_a_request_starts_from_the_heads_own_held_out_figure(tiny_head, smollm_engine, smollm_path):
+    """The policy's first estimate of what a tree gets accepted is the head's report (chain tau less one), not
+    a fixed optimism: a weak head is left to its probes from the first token."""
+    from ultrafast.speculative import SpeculativeStepper
+
+    report, path = tiny_head
+    head = load_head(path, smollm_engine.model, file_sha256(smollm_path))
+    d = HeadDrafter(smollm_engine, head, 0.05, 256)
+    assert d.expected_accepted == pytest.approx(report["heldout"]["tau_by_chain_length"][-1] - 1.0)
+    st = SpeculativeStepper(smollm_engine, smollm_engine.new_cache(), [d], [0.0] + [1.0 + 0.2 * k for k in range(17)])
+    assert st.stats.by_drafter["head"].tree_accepted == d.expected_accepted

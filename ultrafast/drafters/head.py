@@ -36,6 +36,10 @@ class HeadDrafter:
         self.k = torch.zeros(max_len, c.n_kv_heads, c.head_dim)
         self.v = torch.zeros(max_len, c.n_kv_heads, c.head_dim)
         self.max_len = max_len
+        # what a tree pass is expected to get accepted before this request has any record: the head's held-out
+        # chain tau at its deepest measured length, less the bonus token (from its training report)
+        tau = (getattr(head, "meta", {}).get("report", {}).get("heldout", {}).get("tau_by_chain_length") or [3.0])
+        self.expected_accepted = max(0.0, float(tau[-1]) - 1.0)
         self._reset()
 
     def _reset(self) -> None:
