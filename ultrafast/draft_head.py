@@ -12,6 +12,7 @@ head rows come from the target file at load, which is why a head is refused for 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -292,6 +293,12 @@ def load_head(path: str | Path, model, target_sha256: str, pack: bool | None = N
     if pack:
         head.pack(model, out.act_bits if isinstance(out, PackedLinear) else 16)
     return head.eval()
+
+
+def has_candidate_heads(target: str | Path) -> bool:
+    """Whether any head is saved under this file's name (its sha256 then says whether one is for it)."""
+    d = heads_dir()
+    return d.is_dir() and any(d.glob(f"{glob.escape(Path(target).stem)}-*.head.pt"))
 
 
 def find_head(target: str | Path, sha256: str) -> Path | None:

@@ -54,8 +54,10 @@ class Engine:
         """Attach the draft head at `path`, or (None) the one `ultrafast train-draft` saved for this model file
         under $ULTRAFAST_HOME/drafts, if any. A head trained for another file is refused (DraftHeadError).
         Returns the head's path, None when there is none."""
-        from .draft_head import file_sha256, find_head, load_head
+        from .draft_head import file_sha256, find_head, has_candidate_heads, load_head
 
+        if path is None and not has_candidate_heads(self.loaded.path):
+            return None  # no head saved under this file's name: no need to hash the file
         sha = file_sha256(self.loaded.path)
         path = Path(path) if path else find_head(self.loaded.path, sha)
         if path is None:

@@ -71,20 +71,26 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def _rows(self, pos: int, toks: list[int], feats: torch.Tensor) -> torch.Tensor:
-        """Head rows at positions pos..pos+n-1 from those tokens and the features before them; writes their KV;
-        returns the predicted features [n, D]."""
-        h, n = self.head, len(toks)
+        """Head rows at positions pos..pos+n-1 (in those slots, causal) from those tokens and the features
+        before them; returns the predicted features [n, D]."""
+        n = len(toks)
         if pos + n > self.max_len:
             raise ValueError("past the head's KV cache")
+        positions = torch.arange(pos, pos + n)
+        keys = torch.arange(self.base, pos + n)
+        return self._head_forward(toks, feats, positions, positions, keys[None, :] <= positions[:, None])
+
+    def _head_forward(self, toks: list[int], feats: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """One head forward: rows for `toks` fed `feats`, at `positions`, their keys and values written into
+        `slots` of the head's cache; row i attends cache rows base.. where mask[i] is True."""
+        h = self.head
         emb = self.engine.model.tok_embeddings(torch.tensor(toks, dtype=torch.long)).float()
         x = h.mix(emb, feats)
-        positions = torch.arange(pos, pos + n)
         q, k, v = h.qkv(x, positions)
-        self.k[pos:pos + n], self.v[pos:pos + n] = k, v
-        keys = torch.arange(self.base, pos + n)
-        mask = keys[None, :] <= positions[:, None]
-        attn = h.attend(q, self.k[self.base:pos + n], self.v[self.base:pos + n], mask)
-        return h.finish(x, attn)
+        self.k[slots], self.v[slots] = k, v
+        end = self.base + mask.shape[1]
+        return h.finish(x, h.attend(q, self.k[self.base:end], self.v[self.base:end], mask))
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampler=None) -> list[int]:
@@ -190,15 +196,9 @@ class HeadDrafter:
     def _tree_rows(self, p: int, nodes: list[int], toks, parents, depths, frontier) -> torch.Tensor:
         """Head rows for tree nodes (same level): node n's token at position p + depth - 1 in slot p - 1 + n,
         fed its parent's predicted feature; each attends the context rows and its own path's slots."""
-        h = self.head
         parent_feat = {node: f for node, f, _ in frontier}
         slots = torch.tensor([p - 1 + n for n in nodes])
         positions = torch.tensor([p + depths[n - 1] - 1 for n in nodes])
-        emb = self.engine.model.tok_embeddings(torch.tensor([toks[n - 1] for n in nodes], dtype=torch.long)).float()
-        fin = torch.stack([parent_feat[parents[n - 1]] for n in nodes])
-        x = h.mix(emb, fin)
-        q, k, v = h.qkv(x, positions)
-        self.k[slots], self.v[slots] = k, v
         end = int(slots.max()) + 1
         mask = torch.zeros(len(nodes), end - self.base, dtype=torch.bool)
         mask[:, :p - self.base] = True
@@ -207,5 +207,5 @@ class HeadDrafter:
             while m:
                 mask[i, p - 1 + m - self.base] = True
                 m = parents[m - 1]
-        attn = h.attend(q, self.k[self.base:end], self.v[self.base:end], mask)
-        return h.finish(x, attn)
+        return self._head_forward([toks[n - 1] for n in nodes], torch.stack([parent_feat[parents[n - 1]] for n in nodes]),
+                                  slots, positions, mask)

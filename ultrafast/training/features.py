@@ -23,10 +23,6 @@ class Features:
     feats: list[torch.Tensor]  # per sequence [T, D] bf16
     greedy: list[torch.Tensor]  # per sequence [T] int64: the target's argmax at each position
 
-    @property
-    def n_tokens(self) -> int:
-        return sum(t.numel() for t in self.tokens)
-
 
 @torch.inference_mode()
 def sequence_features(engine, ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor]:
