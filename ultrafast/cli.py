@@ -27,8 +27,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 ACT_BITS_HELP = ("precision of the activations inside the quantized linears: 16 (default) or 8 (llama.cpp's; "
                  "about twice the multiply rate in prefill and verification, outputs move slightly)")
 
-DRAFTERS_HELP = ("ultrafast drafters, comma-separated from prompt_lookup,suffix,draft_model,self_spec,head "
-                 "(default: suffix,prompt_lookup, plus draft_model with --draft-model and head with a draft head)")
+DRAFTERS_HELP = ("ultrafast drafters, comma-separated from grammar,prompt_lookup,suffix,draft_model,self_spec,head "
+                 "(default: grammar,suffix,prompt_lookup, plus draft_model with --draft-model and head with a draft "
+                 "head; grammar drafts the tokens a request's grammar forces)")
 DRAFT_HEAD_HELP = ("a draft head for the ultrafast tier: a file from `ultrafast train-draft`, 'auto' (default: the "
                    "one trained for this model file under $ULTRAFAST_HOME/drafts, if any) or 'none'")
 SELF_SPEC_HELP = ("the target layers the self_spec drafter runs, e.g. 0-8,18-27 (default: all but the middle "
@@ -51,10 +52,29 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-head", default="auto", help=DRAFT_HEAD_HELP)
 
 
+def _grammar(args):
+    """--json-schema FILE, --grammar FILE or --regex RE -> a grammar.Grammar (None without one)."""
+    from .grammar import Grammar
+
+    if getattr(args, "json_schema", None):
+        try:
+            with open(args.json_schema, encoding="utf-8") as f:
+                schema = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{args.json_schema}: not JSON: {e}") from None
+        return Grammar.json_schema(schema)
+    if getattr(args, "grammar", None):
+        with open(args.grammar, encoding="utf-8") as f:
+            return Grammar("ebnf", f.read())
+    if getattr(args, "regex", None):
+        return Grammar("regex", args.regex)
+    return None
+
+
 def _params(args, max_tokens: int | None = None):
     from .sampler import SamplingParams
 
-    return SamplingParams(
+    return SamplingParams(grammar=_grammar(args),
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed,
@@ -133,8 +153,10 @@ def _line_prompt(engine, obj: dict, lineno: int) -> list[int]:
 def cmd_generate(args) -> int:
     if (args.prompt is None) == (args.prompts_file is None):
         raise ValueError("give exactly one of --prompt and --prompts-file")
-    _params(args)  # validate before the (slow) load
+    params = _params(args)  # validate before the (slow) load
     engine = _load_engine(args)
+    if params.grammar is not None:
+        engine.grammars.compile(params.grammar)  # one the library refuses: an error before any output
     if args.prompts_file:
         if not args.json:
             raise ValueError("--prompts-file needs --json")
@@ -207,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--raw", action="store_true", help="no chat template: complete the text as given")
     s.add_argument("--system", help="a system message (chat mode)")
     s.add_argument("--json", action="store_true", help="print one JSON record per answer")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON matching this JSON schema")
+    g.add_argument("--grammar", metavar="FILE", help="constrain the output to this EBNF grammar (xgrammar's GBNF)")
+    g.add_argument("--regex", help="constrain the output to this regular expression")
     _sampling_args(s)
     s.set_defaults(fn=cmd_generate)
 
@@ -258,6 +284,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-context", type=int, default=4096)
     s.add_argument("--activation-bits", type=int, choices=[16, 8], default=16, help=ACT_BITS_HELP)
     s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.agent_loop", fromlist=["main"]).main(a))
+
+    s = sub.add_parser("jsonbench", help="structured output over 50 JSON schemas in both tiers: validity, exactness, "
+                                          "speedup and the mask's cost")
+    s.add_argument("--model", default=DEFAULT_MODEL)
+    s.add_argument("--drafters", default=None, help=DRAFTERS_HELP)
+    s.add_argument("--draft-head", default="auto", help=DRAFT_HEAD_HELP)
+    s.add_argument("--schemas", type=int, default=50, help="how many of the 50 schemas (default all)")
+    s.add_argument("--max-tokens", type=int, default=512)
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--max-context", type=int, default=2048)
+    s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.json_output", fromlist=["main"]).main(a))
 
     s = sub.add_parser("train-draft", help="train a draft head for a model on this machine (the ultrafast tier "
                                             "uses it when present)")

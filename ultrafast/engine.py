@@ -14,6 +14,7 @@ from .drafters import build_drafters
 from .drafters.self_spec import default_layers, parse_layers
 from .drafters.suffix import SuffixCache
 from .generation import Generation, GenerationResult, StreamEvent  # noqa: F401 (re-exported)
+from .grammar import GrammarCompiler
 from .kv_cache import KVCache
 from .loader import LoadedModel, load
 from .model import Transformer, build_model
@@ -43,12 +44,13 @@ class Engine:
         self.draft_engine: "Engine | None" = None
         self.draft_cost = 0.5
         self.draft_feed_cost = 0.0  # a token the draft model feeds while catching up, in target forwards
-        self.default_drafters = ["suffix", "prompt_lookup"]
+        self.default_drafters = ["grammar", "suffix", "prompt_lookup"]  # grammar: only under a request's grammar
         self.self_spec_layers = default_layers(self.config.n_layers)  # the self_spec drafter's layers
         self.self_spec_cost: float | None = None  # its forward in target forwards, measured on first use
         self.fixed_draft_k: int | None = None  # set: no policy, every pass drafts this many (exactness checks)
         self.draft_head = None  # a trained draft head for this file (draft_head.py), when one is attached
         self.head_cost: float | None = None  # its 1-row forward in target forwards, measured on first use
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)  # constrained decoding
 
     def attach_draft_head(self, path: str | Path | None = None) -> Path | None:
         """Attach the draft head at `path`, or (None) the one `ultrafast train-draft` saved for this model file
@@ -82,7 +84,7 @@ class Engine:
         self.draft_cost = _step_time(draft) / step  # a draft forward in target forwards
         # a token of the draft's catch-up (fed 64 at a time, as a prompt is), in the same unit
         self.draft_feed_cost = _step_time(draft, tokens=64, reps=3) / 64 / step
-        self.default_drafters = ["suffix", "prompt_lookup", "draft_model"]
+        self.default_drafters = ["grammar", "suffix", "prompt_lookup", "draft_model"]
 
     @classmethod
     def from_path(cls, path: str | Path, *, max_context: int | None = None, device: str | None = None,
@@ -162,8 +164,9 @@ class Engine:
 
     # ---------------------------------------------------------------- prompts
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Messages (and the tools the model may call, OpenAI's function tools) through the chat template."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return self.tokenizer.encode(text, add_bos=False)
 
     def raw_prompt(self, text: str) -> list[int]:

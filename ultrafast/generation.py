@@ -40,6 +40,7 @@ class GenerationResult:
     tier: str = "standard"
     spec: dict = field(default_factory=dict)  # tau, verify passes, acceptance per drafter
     logprobs: list | None = None  # with SamplingParams.logprobs: one TokenLogprob per token in token_ids
+    grammar: dict = field(default_factory=dict)  # under a grammar: masks computed and the seconds they took
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -69,6 +70,7 @@ class GenerationResult:
             "weight_bytes_per_token": self.weight_bytes_per_token,
             "achieved_gb_per_s": round(self.achieved_gb_per_s, 3),
             "tier": self.tier,
+            **({"grammar": self.grammar} if self.grammar else {}),
             **self.spec,
         }
 
@@ -88,7 +90,8 @@ class Generation:
         engine.check_prompt(prompt_ids)
         self.engine, self.prompt, self.params, self.stepper, self.cache, self.tier = \
             engine, list(prompt_ids), params, stepper, cache, tier
-        self.sampler = Sampler(params, prompt_ids)
+        self.sampler = Sampler(params, prompt_ids,
+                               engine.grammars.constraint(params.grammar) if params.grammar is not None else None)
         self.eos = set() if params.ignore_eos else engine.tokenizer.eos_ids
         self.budget = min(params.max_tokens, engine.max_context - len(prompt_ids))
         self.decoder = engine.tokenizer.stream_decoder()
@@ -183,7 +186,9 @@ class Generation:
             decode_s=time.perf_counter() - self.t0 - self.ttft, cached_tokens=self.reused,
             weight_bytes_per_token=self.engine.weight_bytes_per_token, tier=self.tier,
             spec=self.stepper.stats.to_json(),
-            logprobs=None if self.sampler.logprobs is None else self.sampler.logprobs[:len(self.out_ids)])
+            logprobs=None if self.sampler.logprobs is None else self.sampler.logprobs[:len(self.out_ids)],
+            grammar={} if self.sampler.constraint is None else
+            {"masks": self.sampler.constraint.masks, "mask_seconds": round(self.sampler.constraint.mask_seconds, 6)})
 
     def _records(self) -> list:
         """The logprob records of output tokens not yet delivered in an event (none when not recording)."""

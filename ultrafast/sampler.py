@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grammar import Grammar
+
 
 class SamplingError(ValueError):
     pass
@@ -61,6 +63,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # record each emitted token's logprob and this many alternatives; None: off
+    grammar: Grammar | None = None  # a grammar.Grammar the output must match (constrained decoding); None: free
 
     def __post_init__(self):
         checks = [
@@ -84,6 +87,7 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
              f"logprobs (alternatives per token) must be in [0, {MAX_TOP_LOGPROBS}]"),
+            (self.grammar is None or isinstance(self.grammar, Grammar), "grammar must be a grammar.Grammar"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -163,11 +167,14 @@ def sample_from(probs: torch.Tensor, u: float) -> int:
 
 
 class Sampler:
-    """Per-request sampling state: the params, the seeded stream of uniforms, the token history and, when
-    asked, the record of emitted tokens' logprobs."""
+    """Per-request sampling state: the params, the seeded stream of uniforms, the token history, the grammar's
+    matcher (`constraint`, a grammar.Constraint, when the params carry a grammar) and, when asked, the record of
+    emitted tokens' logprobs."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int]):
-        self.params = params
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], constraint=None):
+        if (params.grammar is None) != (constraint is None):
+            raise SamplingError("a grammar needs its constraint (GrammarCompiler.constraint), and only a grammar")
+        self.params, self.constraint = params, constraint
         self.gen = None if params.greedy else params.generator()
         self._ahead: list[float] = []  # uniforms drawn from the stream but not used yet (peeked by drafters)
         self.history = list(prompt_ids)
@@ -175,9 +182,19 @@ class Sampler:
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
 
     def adjusted(self, logits: torch.Tensor, history: list[int] | None = None) -> torch.Tensor:
-        """The logits after bias and penalties, given the tokens before the position (default: this
-        request's history)."""
-        return adjust_logits(logits, self.history if history is None else history, self.n_prompt, self.params)
+        """The logits after bias and penalties and the grammar's mask, given the tokens before the position
+        (default: this request's history)."""
+        history = self.history if history is None else history
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits, history[self.n_prompt:])
+        return adjust_logits(logits, history, self.n_prompt, self.params)
+
+    def cut(self, tokens: list[int], parents: list[int] | None):
+        """Drafts after the history without the ones the grammar refuses (all of them without a grammar):
+        (tokens, parents), see grammar.Constraint.cut."""
+        if self.constraint is None or not tokens:
+            return tokens, parents
+        return self.constraint.cut(self.history[self.n_prompt:], tokens, parents)
 
     def distribution(self, logits: torch.Tensor, history: list[int] | None = None) -> torch.Tensor:
         return probabilities(self.adjusted(logits, history), self.params)

@@ -295,6 +295,10 @@ class SpeculativeStepper:
         """Emit the tokens after `tok` (at `pos`); `limit` bounds how many this pass may produce."""
         drafter, drafts, cls, parents = self._draft(sampler, min(self.max_k, limit - 1)) if limit > 1 \
             else (None, [], 0, None)
+        if drafts:  # under a grammar, drafts it refuses are never verified
+            drafts, parents = sampler.cut(drafts, parents)
+            if not drafts:
+                drafter, cls, parents = None, 0, None
         chain = list(range(len(drafts)))
         tree = None if parents is None or parents == chain else TreeLayout([-1] + parents, pos)
         extra = {"hidden": True} if self.wants_hidden else {}

@@ -237,6 +237,19 @@ class Tokenizer:
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         return self._backend.decode(self._check_ids(ids), skip_special_tokens=skip_special)
 
+    def grammar_vocab(self) -> tuple[list[str], bool]:
+        """(every token as the vocabulary spells it, special tokens as "" since they never spell text; whether
+        the spelling is byte-level (GPT-2's) rather than sentencepiece's with byte fallback): what a grammar
+        library needs to know which bytes each token writes."""
+        out = [""] * self.vocab_size
+        for text, i in self._backend.get_vocab(with_added_tokens=True).items():
+            out[i] = text
+        for i, t in self._backend.get_added_tokens_decoder().items():
+            if t.special:
+                out[i] = ""
+        dec = self._backend.decoder
+        return out, isinstance(dec, decoders.ByteLevel)
+
     def token_str(self, id: int) -> str:
         return self.decode([id])
 

@@ -22,6 +22,10 @@ def test_a_tiny_head_learns_and_beats_an_untrained_one(tiny_head):
     assert json.loads(blob["recipe"])["tokens"] == 5000 and "modules" in json.loads(blob["data"])["code"]
     assert report["size_bytes"] == path.stat().st_size and report["peak_rss_mb"] > 0
     assert report["train_seconds"] > 0 and report["feature_seconds"] > 0
+    curve = report["heldout_by_epoch"]  # held-out acceptance against training time: after each of 3 epochs
+    assert len(curve) == 3 and [c["step"] for c in curve] == sorted({c["step"] for c in curve})
+    assert 0 < curve[0]["train_seconds"] < curve[-1]["train_seconds"] <= report["train_seconds"]
+    assert curve[-1]["acceptance_by_depth"] == trained["acceptance_by_depth"][:3]
 
 
 def test_a_finished_run_resumes_from_its_shards_and_checkpoint(tiny_head, smollm_path):
@@ -41,6 +45,7 @@ def test_a_finished_run_resumes_from_its_shards_and_checkpoint(tiny_head, smollm
     assert "resuming at step" in log.getvalue()
     assert {p: p.stat().st_mtime_ns for p in shards} == before  # read, not rewritten
     assert again["heldout"] == report["heldout"] and again["loss_last"] == report["loss_last"]
+    assert again["heldout_by_epoch"][:2] == report["heldout_by_epoch"][:2]  # the curve came with the checkpoint
     a, b = read_head_file(path)["state"], read_head_file(path.parent / "again.pt")["state"]
     assert all(torch.equal(a[k], b[k]) for k in a)
 

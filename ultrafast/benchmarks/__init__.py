@@ -1,5 +1,6 @@
 """Benchmarks, each a CLI verb: `bench` (decode vs the memory roofline and llama.cpp), `specbench`
-(Spec-Bench, both tiers side by side), `agentbench` (an agent loop re-sending the same file)."""
+(Spec-Bench, both tiers side by side), `agentbench` (an agent loop re-sending the same file), `jsonbench`
+(structured output over 50 JSON schemas)."""
 
 
 def ceiling_line(r: list[float]) -> str:

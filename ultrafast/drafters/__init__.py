@@ -31,7 +31,7 @@ class Drafter(Protocol):
         """The request is over; `context` is its prompt and full output."""
 
 
-KNOWN = ("prompt_lookup", "suffix", "draft_model", "self_spec", "head")
+KNOWN = ("prompt_lookup", "suffix", "draft_model", "self_spec", "head", "grammar")
 
 
 def parse_drafters(text: str | None) -> list[str] | None:
@@ -48,10 +48,12 @@ def parse_drafters(text: str | None) -> list[str] | None:
 def build_drafters(names: list, *, suffix_cache=None, draft_engine=None, draft_cost: float = 0.5,
                    draft_feed_cost: float = 0.0, target=None, cache=None,
                    self_spec_cost: float = 0.75, head_cost: float = 0.05) -> list[Drafter]:
-    """Drafters by name (prompt_lookup, suffix, draft_model, self_spec, head); Drafter objects pass through.
+    """Drafters by name (prompt_lookup, suffix, draft_model, self_spec, head, grammar); Drafter objects pass
+    through.
     self_spec needs the target engine and the request's KV cache, which it shares; head, the target engine
     with a draft head attached (`Engine.attach_draft_head`)."""
     from .draft_model import DraftModelDrafter
+    from .grammar import GrammarDrafter
     from .head import HeadDrafter
     from .prompt_lookup import PromptLookupDrafter
     from .self_spec import SelfSpecDrafter
@@ -63,6 +65,8 @@ def build_drafters(names: list, *, suffix_cache=None, draft_engine=None, draft_c
             out.append(name)
         elif name == "prompt_lookup":
             out.append(PromptLookupDrafter())
+        elif name == "grammar":
+            out.append(GrammarDrafter())
         elif name == "suffix":
             out.append(SuffixDrafter(suffix_cache if suffix_cache is not None else SuffixCache()))
         elif name == "draft_model":

@@ -23,6 +23,8 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..grammar import GrammarError
+from ..tool_calls import ToolCallParser, to_template_messages
 from . import ledger as ledger_mod
 from .auth import LOCAL_USER, KeyStore, Principal, RateLimiter, bearer_token, is_loopback, resolve_tier
 from .db import Database
@@ -31,6 +33,7 @@ from .errors import (APIError, AuthError, ContextOverflow, InvalidRequest, Model
 from .ledger import LedgerWriter
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .pricing import PriceTable
+from .structured import OutputPlan, plan_chat, plan_completion
 from .protocol import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse,
                        ModelCard, ModelList, UsageReport)
 
@@ -376,8 +379,10 @@ def _install_routes(app: FastAPI) -> None:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         messages = _chat_messages(body)
         engine = worker.engine
+        plan = plan_chat(body, engine.tokenizer.chat_template, worker.name)
+        await _compile(engine, plan)
         try:
-            ids = await asyncio.to_thread(engine.chat_prompt, messages)
+            ids = await asyncio.to_thread(engine.chat_prompt, to_template_messages(messages), plan.tools)
         except (ValueError, TypeError) as e:
             raise InvalidRequest(f"could not apply the chat template: {e}", param="messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -385,7 +390,7 @@ def _install_routes(app: FastAPI) -> None:
                              "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         top = (body.top_logprobs or 0) if body.logprobs else None
         return await _run(request, srv, worker, who, tier, "chat.completions", body, [ids], max_tokens, top,
-                          f"chatcmpl-{uuid.uuid4().hex}")
+                          f"chatcmpl-{uuid.uuid4().hex}", plan)
 
     @app.post("/v1/completions", response_model=Completion, responses=_GENERATION)
     async def completions(body: CompletionRequest, request: Request, who: Principal = Depends(authenticate)):
@@ -396,6 +401,8 @@ def _install_routes(app: FastAPI) -> None:
         if body.best_of is not None and body.best_of != body.n:
             raise InvalidRequest("best_of other than n is not supported", param="best_of")
         engine = worker.engine
+        plan = plan_completion(body)
+        await _compile(engine, plan)
         prompts = _completion_prompts(body.prompt)
         ids_list = []
         for i, p in enumerate(prompts):
@@ -424,7 +431,7 @@ def _install_routes(app: FastAPI) -> None:
         for ids in ids_list:
             _budget(ids, max_tokens, engine.max_context, "prompt", "max_tokens")
         return await _run(request, srv, worker, who, tier, "completions", body, ids_list, max_tokens, body.logprobs,
-                          f"cmpl-{uuid.uuid4().hex}")
+                          f"cmpl-{uuid.uuid4().hex}", plan)
 
 
 def _model_card(srv: Server, name: str) -> ModelCard:
@@ -453,6 +460,10 @@ def _chat_messages(body: ChatCompletionRequest) -> list[dict]:
         msg = {"role": role, "content": content}
         if m.name:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 
@@ -479,7 +490,17 @@ def _budget(ids: list[int], max_tokens: int | None, max_context: int, where: str
     return max_tokens
 
 
-def _params_factory(body, max_tokens: int, top_logprobs: int | None):
+async def _compile(engine, plan: OutputPlan) -> None:
+    """Compile the request's grammar now (cached for its generations), so that one the library refuses is a 400."""
+    if plan.grammar is None:
+        return
+    try:
+        await asyncio.to_thread(engine.grammars.compile, plan.grammar)
+    except GrammarError as e:
+        raise InvalidRequest(f"{plan.grammar_param}: {e}", param=plan.grammar_param) from None
+
+
+def _params_factory(body, max_tokens: int, top_logprobs: int | None, grammar=None):
     from ..sampler import SamplingError, SamplingParams
 
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -492,7 +513,7 @@ def _params_factory(body, max_tokens: int, top_logprobs: int | None):
                   presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                   logit_bias={int(t): b for t, b in body.logit_bias.items()} if body.logit_bias else None,
                   seed=None if body.seed is None else body.seed + index, max_tokens=max_tokens, stop=stop,
-                  ignore_eos=bool(body.ignore_eos), logprobs=top_logprobs)
+                  ignore_eos=bool(body.ignore_eos), logprobs=top_logprobs, grammar=grammar)
         return SamplingParams(**kw)
 
     try:
@@ -516,7 +537,7 @@ async def _wait_disconnect(request: Request, on_disconnect) -> None:
 
 
 async def _run(request: Request, srv: Server, worker, who: Principal, tier: str, endpoint: str, body,
-               prompts: list[list[int]], max_tokens: int, top_logprobs: int | None, req_id: str):
+               prompts: list[list[int]], max_tokens: int, top_logprobs: int | None, req_id: str, plan: OutputPlan):
     from .scheduler import GenRequest
 
     if top_logprobs is not None and not worker.logprobs_supported:
@@ -532,7 +553,7 @@ async def _run(request: Request, srv: Server, worker, who: Principal, tier: str,
             pass
 
     req = GenRequest(model=worker.name, tier=tier, endpoint=endpoint, principal=who, prompts=prompts,
-                     make_params=_params_factory(body, max_tokens, top_logprobs), n=body.n, emit=emit, id=req_id)
+                     make_params=_params_factory(body, max_tokens, top_logprobs, plan.grammar), n=body.n, emit=emit, id=req_id)
     reservation = srv.limiter.admit(who, sum(len(p) for p in prompts))
     try:
         worker.submit(req)
@@ -540,7 +561,7 @@ async def _run(request: Request, srv: Server, worker, who: Principal, tier: str,
         srv.limiter.refund(who, reservation)
         raise
     chat = endpoint == "chat.completions"
-    fmt = _Formatter(srv, worker, req, chat, top_logprobs)
+    fmt = _Formatter(srv, worker, req, chat, top_logprobs, plan.parse_tools)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(worker, req, q, fmt, include_usage), media_type="text/event-stream",
@@ -593,11 +614,21 @@ async def _stream(worker, req, q: asyncio.Queue, fmt: "_Formatter", include_usag
             fmt.absorb(msg)
             if kind == "delta":
                 _, index, text, records = msg
+                if fmt.parsers is not None:  # tools: content outside calls, then each call as it closes
+                    text, calls = fmt.parsers[index].feed(text)
+                    for call in calls:
+                        for d in fmt.tool_call_deltas(index, call):
+                            yield _sse(fmt.chunk([d], include_usage))
                 if text or records:
                     yield _sse(fmt.chunk([fmt.delta_choice(index, text, records)], include_usage))
             elif kind == "choice_done":
                 _, index, finish, _result = msg
                 open_choices.discard(index)
+                if fmt.parsers is not None:
+                    rest = fmt.parsers[index].finish()
+                    if rest:
+                        yield _sse(fmt.chunk([fmt.delta_choice(index, rest, None)], include_usage))
+                    finish = fmt.finish_reason(index, finish)
                 choice = fmt.delta_choice(index, "", None, finish)
                 if open_choices:
                     yield _sse(fmt.chunk([choice], include_usage))
@@ -636,8 +667,11 @@ async def _stream(worker, req, q: asyncio.Queue, fmt: "_Formatter", include_usag
 class _Formatter:
     """Builds OpenAI-shaped responses and chunks from the worker's messages."""
 
-    def __init__(self, srv: Server, worker, req, chat: bool, top_logprobs: int | None):
+    def __init__(self, srv: Server, worker, req, chat: bool, top_logprobs: int | None, parse_tools: bool = False):
         self.srv, self.worker, self.req, self.chat, self.top = srv, worker, req, chat, top_logprobs
+        # streaming with tools: per choice, the parser that splits its output into content and tool calls
+        self.parsers = {c.index: ToolCallParser() for c in req.candidates} if parse_tools else None
+        self.call_index: dict[int, int] = {c.index: 0 for c in req.candidates}
         self.tok = worker.engine.tokenizer
         self.results: dict[int, Any] = {}
         self.finish: dict[int, str] = {}
@@ -703,6 +737,19 @@ class _Formatter:
                   "finish_reason": finish}
         return ch
 
+    def tool_call_deltas(self, index: int, call) -> list[dict]:
+        """A call as OpenAI streams it: its id, type and name with empty arguments, then the arguments."""
+        i = self.call_index[index]
+        self.call_index[index] = i + 1
+        head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        args = {"index": i, "function": {"arguments": call.arguments}}
+        return [{"index": index, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}
+                for d in (head, args)]
+
+    def finish_reason(self, index: int, finish: str | None) -> str | None:
+        calls = self.parsers[index].calls if self.parsers is not None else []
+        return "tool_calls" if calls and finish == "stop" else finish
+
     # ---- whole responses
 
     def usage(self, summary: dict) -> dict:
@@ -719,8 +766,16 @@ class _Formatter:
             finish = self.finish.get(c.index)
             if self.chat:
                 lp = self.chat_logprobs(self.records[c.index]) if self.top is not None else None
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": finish})
+                message = {"role": "assistant", "content": text}
+                if self.parsers is not None:
+                    parser = ToolCallParser()
+                    parser.feed(text)
+                    parser.finish()
+                    message["content"] = parser.message_content()
+                    if parser.calls:
+                        message["tool_calls"] = [call.to_json() for call in parser.calls]
+                        finish = "tool_calls" if finish == "stop" else finish
+                choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 lp = self.completion_logprobs(self.records[c.index]) if self.top is not None else None
                 choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish})

@@ -42,9 +42,9 @@ def add_commands(sub) -> None:
                    help="compute threads per model (default: torch's, one per core); fewer than the cores leaves "
                         "room for the HTTP side")
     s.add_argument("--drafters", default=None,
-                   help="the ultrafast tier's drafters, comma-separated from prompt_lookup,suffix,draft_model,"
-                        "self_spec,head (default: suffix,prompt_lookup, plus draft_model with --draft-model and "
-                        "head with a draft head)")
+                   help="the ultrafast tier's drafters, comma-separated from grammar,prompt_lookup,suffix,"
+                        "draft_model,self_spec,head (default: grammar,suffix,prompt_lookup, plus draft_model with "
+                        "--draft-model and head with a draft head)")
     s.add_argument("--draft-head", default="auto",
                    help="a draft head from `ultrafast train-draft`: a file, 'auto' (default: the one trained for the "
                         "model file, if any) or 'none'")

@@ -1,10 +1,11 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic), as the `openai` client sends
 and reads them. Unknown request fields are accepted and ignored, as most OpenAI-compatible servers do;
-fields that would change the output in ways this server cannot honour (tools, echo, suffix, best_of > n,
-JSON response formats) are refused with 400.
+fields that would change the output in ways this server cannot honour (echo, suffix, best_of > n, tools for a
+model whose chat template has none) are refused with 400.
 
 Extensions beyond OpenAI's fields: `service_tier` takes `standard`, `ultrafast` or `auto`; sampling
-extras `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` (as vLLM names them); responses carry
+extras `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and constrained decoding's `structured_outputs`
+(`json`, `regex`, `grammar`, `choice`) with its older `guided_*` spellings (as vLLM names them); responses carry
 `time_info` (as Cerebras': queue, prompt, completion and total time, plus decode tokens/s and tau).
 """
 
@@ -46,17 +47,78 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: FunctionName
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = Field("response", max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[Union[dict[str, Any], bool]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
 
 
 class ResponseFormat(BaseModel):
-    """Plain text only (JSON modes are a 400)."""
+    """text, json_object (any JSON object) or json_schema (output matching the schema), enforced by constrained
+    decoding."""
     model_config = ConfigDict(extra="allow")
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's constrained-decoding extension: exactly one of these."""
+    model_config = ConfigDict(extra="allow")
+    json_: Optional[Union[dict[str, Any], bool, str]] = Field(None, alias="json")
+    regex: Optional[NonEmptyStr] = None
+    grammar: Optional[NonEmptyStr] = None  # EBNF (xgrammar's GBNF dialect)
+    choice: Optional[Annotated[list[str], Field(min_length=1)]] = None
 
 
 class _Sampling(_Request):
@@ -85,6 +147,11 @@ class _Sampling(_Request):
     min_p: Optional[float] = Field(None, ge=0, le=1)
     repetition_penalty: Optional[float] = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: Optional[bool] = False
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[NonEmptyStr] = None
+    guided_grammar: Optional[NonEmptyStr] = None
+    guided_choice: Optional[Annotated[list[str], Field(min_length=1)]] = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -92,8 +159,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[Annotated[list[dict[str, Any]], Field(max_length=0, description="not supported")]] = None
-    tool_choice: Optional[Any] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
     response_format: Optional[ResponseFormat] = None
 
 
@@ -156,6 +224,7 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
@@ -180,6 +249,7 @@ class ChatCompletion(BaseModel):
 class ChunkDelta(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # {index, id, type, function: {name, arguments}} deltas
 
 
 class ChunkChoice(BaseModel):

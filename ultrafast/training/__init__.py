@@ -72,9 +72,10 @@ def _say(stream: TextIO, text: str) -> None:
     stream.flush()
 
 
-def batches_for(lengths: list[int], epochs: int, batch_tokens: int, seed: int) -> list[list[int]]:
-    """Sequence indices grouped into optimizer steps of about batch_tokens rows, every epoch reshuffled."""
-    out = []
+def batches_for(lengths: list[int], epochs: int, batch_tokens: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """Sequence indices grouped into optimizer steps of about batch_tokens rows, every epoch reshuffled; and the
+    step count at the end of each epoch."""
+    out, ends = [], []
     for e in range(epochs):
         order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed * 1000 + e)).tolist()
         cur, n = [], 0
@@ -86,7 +87,8 @@ def batches_for(lengths: list[int], epochs: int, batch_tokens: int, seed: int) -
                 cur, n = [], 0
         if cur:
             out.append(cur)
-    return out
+        ends.append(len(out))
+    return out, ends
 
 
 def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False, out: str | Path | None = None,
@@ -152,20 +154,27 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    plan = batches_for([t.numel() for t in train_f.tokens], recipe.epochs, recipe.batch_tokens, recipe.seed)
+    plan, epoch_ends = batches_for([t.numel() for t in train_f.tokens], recipe.epochs, recipe.batch_tokens, recipe.seed)
     warmup = max(1, len(plan) // 20)
-    step, losses = 0, []
+    step, losses, curve, trained_s = 0, [], [], 0.0
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=True)
         head.load_state_dict(state["head"], strict=False)
         opt.load_state_dict(state["opt"])
         step, losses = state["step"], state["losses"]
+        curve, trained_s = state.get("curve", []), state.get("trained_s", 0.0)
         _say(stream, f"train-draft: resuming at step {step} of {len(plan)}")
 
     def save_ckpt():
         tmp = ckpt.with_suffix(".tmp")
-        torch.save({"head": head.trained_state(), "opt": opt.state_dict(), "step": step, "losses": losses}, tmp)
+        torch.save({"head": head.trained_state(), "opt": opt.state_dict(), "step": step, "losses": losses,
+                    "curve": curve, "trained_s": trained_for()}, tmp)
         tmp.replace(ckpt)
+
+    eval_s = 0.0  # held-out evaluations during training, not counted as training time
+
+    def trained_for() -> float:
+        return trained_s + time.perf_counter() - t0 - eval_s
 
     t0 = time.perf_counter()
     last_ckpt = time.perf_counter()
@@ -195,26 +204,38 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}" if losses else "-")
+        if step in epoch_ends and step < len(plan):  # held-out tau against training time, each epoch
+            t_eval = time.perf_counter()
+            head.eval()
+            with torch.no_grad():
+                got = evaluate(head, held, embed)
+            head.train()
+            eval_s += time.perf_counter() - t_eval
+            curve.append({"step": step, "train_seconds": round(trained_for(), 1),
+                          "acceptance_by_depth": got["acceptance_by_depth"][:3],
+                          "tau_by_chain_length": got["tau_by_chain_length"][:3]})
         if time.perf_counter() - last_ckpt > CHECKPOINT_S and step < len(plan):
             save_ckpt()
             last_ckpt = time.perf_counter()
     bar.close()
     save_ckpt()
-    train_s = time.perf_counter() - t0
+    train_s = trained_for()
     head.eval()
     for p in params:
         p.requires_grad_(False)
     trained = evaluate(head, held, embed)
-    per_epoch = max(1, len(plan) // recipe.epochs)
+    curve.append({"step": step, "train_seconds": round(train_s, 1),
+                  "acceptance_by_depth": trained["acceptance_by_depth"][:3],
+                  "tau_by_chain_length": trained["tau_by_chain_length"][:3]})
     report = {
         "model": path.name, "target_sha256": sha,
         "feature_seconds": round(feature_s, 1), "train_seconds": round(train_s, 1),
         "total_seconds": round(time.perf_counter() - t_start, 1),
         "train_tokens": n_train, "heldout_tokens": n_held, "steps": len(plan),
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-        "loss_by_epoch": [round(sum(losses[e * per_epoch:(e + 1) * per_epoch]) / max(1, len(losses[e * per_epoch:(e + 1) * per_epoch])), 4)
-                          for e in range(recipe.epochs)],
-        "heldout": trained, "heldout_untrained": untrained,
+        "loss_by_epoch": [round(sum(losses[a:b]) / max(1, len(losses[a:b])), 4)
+                          for a, b in zip([0] + epoch_ends[:-1], epoch_ends)],
+        "heldout": trained, "heldout_untrained": untrained, "heldout_by_epoch": curve,
         "draft_vocab": vd, "head_parameters": sum(p.numel() for p in params),
         "peak_rss_mb": _peak_rss_mb(),
     }
