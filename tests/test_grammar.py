@@ -146,3 +146,17 @@ def test_special_tokens_are_never_admitted(smollm_engine):
     assert allowed.sum() > 1000
     for t in engine.tokenizer.eos_ids:
         assert not allowed[t]
+
+
+def test_a_grammar_that_admits_nothing_ends_the_output(smollm_engine):
+    engine = smollm_engine
+    for temperature in (0.0, 0.8):
+        out = engine.generate(engine.raw_prompt("x"), SamplingParams(max_tokens=5, temperature=temperature, seed=1,
+                                                                     grammar=Grammar("ebnf", "root ::= root")))
+        assert out.token_ids == [] and out.finish_reason == "stop"
+
+
+def test_library_messages_lose_their_log_prefix(smollm_engine):
+    with pytest.raises(GrammarError) as e:
+        smollm_engine.grammars.compile(Grammar("regex", "\\"))
+    assert str(e.value).startswith("invalid regex: Regex parsing error")

@@ -18,6 +18,7 @@ grammar forces next (a schema's keys and punctuation: xgrammar's jump-forward st
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -112,21 +113,24 @@ class GrammarCompiler:
 
     def constraint(self, grammar: Grammar) -> "Constraint":
         return Constraint(self.compile(grammar), self.vocab_size,
-                          lambda text: self.tokenizer.encode(text, add_bos=False))
+                          lambda text: self.tokenizer.encode(text, add_bos=False), sorted(self.tokenizer.eos_ids))
 
 
 def _first_line(e: Exception) -> str:
+    """The library's message without its log prefix ("[12:00:00] /project/cpp/x.cc:94: ")."""
     text = str(e).strip() or type(e).__name__
-    return text.splitlines()[-1][:300] if "Traceback" in text else text.splitlines()[0][:300]
+    line = text.splitlines()[-1] if "Traceback" in text else text.splitlines()[0]
+    return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", line)[:300]
 
 
 class Constraint:
     """One request's matcher: which tokens may follow a given output (the tokens after the prompt)."""
 
-    def __init__(self, compiled, vocab_size: int, encode=None):
+    def __init__(self, compiled, vocab_size: int, encode=None, stop_ids: Sequence[int] = ()):
         import xgrammar as xgr
 
         self._xgr, self._compiled, self.vocab_size, self._encode = xgr, compiled, vocab_size, encode
+        self._stops = torch.tensor(list(stop_ids), dtype=torch.long)
         self._matcher = xgr.GrammarMatcher(compiled)
         self._seen: list[int] = []  # the output the matcher stands after
         self._dead = False  # the output it was last asked about left the grammar (a drafter's guess)
@@ -169,6 +173,8 @@ class Constraint:
         self._matcher.fill_next_token_bitmask(self._bitmask)
         out = logits.float().clone().reshape(1, -1)
         self._xgr.apply_token_bitmask_inplace(out, self._bitmask, vocab_size=self.vocab_size)
+        if self._stops.numel() and not bool(torch.isfinite(out).any()):  # a grammar that admits nothing
+            out[0, self._stops] = logits.float().reshape(-1)[self._stops]  # here (root ::= root) ends the output
         self.mask_seconds += time.perf_counter() - t
         self.masks += 1
         return out.reshape(-1)

@@ -295,8 +295,8 @@ class SpeculativeStepper:
         """Emit the tokens after `tok` (at `pos`); `limit` bounds how many this pass may produce."""
         drafter, drafts, cls, parents = self._draft(sampler, min(self.max_k, limit - 1)) if limit > 1 \
             else (None, [], 0, None)
-        if drafts:  # under a grammar, drafts it refuses are never verified
-            drafts, parents = sampler.cut(drafts, parents)
+        if drafts and getattr(sampler, "constraint", None) is not None:  # under a grammar, drafts it refuses
+            drafts, parents = sampler.cut(drafts, parents)  # are never verified
             if not drafts:
                 drafter, cls, parents = None, 0, None
         chain = list(range(len(drafts)))
