@@ -384,7 +384,7 @@ def test_malformed_bodies(env):
             ({"model": MODEL, "messages": HELLO, "top_p": 0}, "top_p"),
             ({"model": MODEL, "messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
             ({"model": MODEL, "messages": HELLO, "service_tier": "platinum"}, "service_tier"),
-            ({"model": MODEL, "messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
+            ({"model": MODEL, "messages": HELLO, "tools": [{"type": "function"}]}, "tools.0.function"),
         ]:
             err = _error(h.post("/v1/chat/completions", json=body), 400)
             assert err["param"] == param, (body, err)

@@ -484,6 +484,7 @@ def test_model_name_of_a_folder(tmp_path):
 
 class _Tok:
     eos_ids = frozenset()
+    chat_template = None
 
     def token_str(self, i):
         return "x"
@@ -498,7 +499,7 @@ class BrokenEngine(FakeEngine):
     class config:
         vocab_size = 1000
 
-    def chat_prompt(self, messages):
+    def chat_prompt(self, messages, tools=None):
         return [1, 2, 3]
 
     def raw_prompt(self, text):
