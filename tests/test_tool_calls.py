@@ -11,15 +11,16 @@ OUT = ('Let me look.\n<tool_call>\n{"name": "get_price", "arguments": {"item": "
        '<tool_call>\n{"name": "get_price", "arguments": {"item": "pear"}}\n</tool_call>')
 
 
-def _stream(text: str, step: int):
-    p = ToolCallParser()
+def _stream(text: str, step: int, names=()):
+    p = ToolCallParser(frozenset(names))
     content, calls = [], []
     for i in range(0, len(text), step):
         c, done = p.feed(text[i:i + step])
         content.append(c)
         calls += done
-    content.append(p.finish())
-    return p, "".join(content), calls
+    c, done = p.finish()
+    content.append(c)
+    return p, "".join(content), calls + done
 
 
 @pytest.mark.parametrize("step", [1, 3, 7, 1000])
@@ -74,3 +75,34 @@ def test_call_schema_and_template_messages():
         {"id": "call_1", "type": "function", "function": {"name": "a", "arguments": '{"x": 1}'}}]}])
     assert msgs[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
     assert msgs[0]["tool_calls"][0]["name"] == "a"
+
+
+@pytest.mark.parametrize("text", [
+    '```json\n{\n  "name": "get_price",\n  "arguments": {\n    "fruit": "apple"\n  }\n}\n```',
+    '{{"name": "get_price", "arguments": {"fruit": "apple"}}}',
+    '  {"name": "get_price", "arguments": {"fruit": "apple"}}',
+])
+def test_a_bare_call_to_an_offered_tool_is_a_call(text):
+    """Qwen2.5-Coder-1.5B at greedy answers tool prompts so: the whole output one untagged call."""
+    for step in (1, 4, 1000):
+        p, content, calls = _stream(text, step, names=["get_price", "multiply"])
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_price", {"fruit": "apple"})]
+        assert content == "" and p.message_content() is None
+
+
+@pytest.mark.parametrize("text", [
+    '```json\n{"name": "unknown_tool", "arguments": {}}\n```',  # not an offered tool
+    '{"answer": 42}',  # JSON, but no call
+    '```python\nprint(1)\n```',  # a fence, but code
+    '{{"name": "get_price", "arguments": {"a": 3}}}}} and more',
+])
+def test_other_outputs_stay_text(text):
+    for step in (1, 4, 1000):
+        p, content, calls = _stream(text, step, names=["get_price"])
+        assert calls == [] and content == text and p.message_content() == text
+
+
+def test_bare_output_holding_a_tagged_call():
+    text = '{"x": 1}\n<tool_call>\n{"name": "get_price", "arguments": {"fruit": "pear"}}\n</tool_call>'
+    p, content, calls = _stream(text, 3, names=["get_price"])
+    assert [c.name for c in calls] == ["get_price"] and content == '{"x": 1}'

@@ -7,7 +7,9 @@ refused with a clear error rather than guessed at.
 
 `ToolCallParser` reads the output as it streams: text outside calls goes out as content as soon as it cannot be
 the start of a call; each call goes out when its closing tag arrives. A call that is not well-formed JSON with a
-name and object arguments (or never closes) comes back as the text the model wrote.
+name and object arguments (or never closes) comes back as the text the model wrote. An output that is one bare
+call to an offered tool (no tags; in a ```json fence or the template's doubled braces: what Qwen2.5-Coder-1.5B
+writes at greedy) is a call too.
 
 `call_schema` is what a forced call must match (tool_choice `required` or a named function): a JSON object whose
 name is one of the tools and whose arguments follow that tool's parameter schema; the grammar (kind "tool_call")
@@ -70,14 +72,31 @@ def parse_call(raw: str) -> ParsedCall | None:
 
 @dataclass
 class ToolCallParser:
-    """Feed text as it is generated; get back (content to emit now, calls completed now)."""
+    """Feed text as it is generated; get back (content to emit now, calls completed now).
+
+    `names`: the tools offered. Some models (Qwen2.5-Coder-1.5B at greedy, for one) answer a tool prompt with the
+    bare call instead of the tagged one: the whole output a JSON object {"name", "arguments"}, maybe inside a
+    ```json fence or the template's own doubled braces. An output that starts like that is held to its end and
+    taken as a call when the name is one of `names`; otherwise it goes out as the text it is."""
+    names: frozenset = frozenset()
     buf: str = ""
     in_call: bool = False
     calls: list[ParsedCall] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
+    bare: bool | None = None  # None: undecided (nothing but whitespace yet); True: holding a possible bare call
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         self.buf += text
+        if self.bare is None:
+            head = self.buf.lstrip()
+            if not self.names:
+                self.bare = False
+            elif not head or (FENCE.startswith(head) and len(head) < len(FENCE)):
+                return "", []  # whitespace, or what may become a fence: undecided
+            else:
+                self.bare = head.startswith(("{", FENCE))
+        if self.bare:
+            return "", []
         out, done = [], []
         while True:
             if not self.in_call:
@@ -106,14 +125,24 @@ class ToolCallParser:
         self.content.append(text_out)
         return text_out, done
 
-    def finish(self) -> str:
-        """The end of the output: what is still held (a partial tag, an unclosed call) goes out as content."""
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """The end of the output: (the content still held: a partial tag, an unclosed call, a held output that
+        was no bare call; the calls found in what was held)."""
+        if self.bare:
+            held, self.buf, self.bare = self.buf, "", False
+            call = parse_bare(held, self.names)
+            if call is not None:
+                self.calls.append(call)
+                return "", [call]
+            text, calls = self.feed(held)  # not a bare call: the text as it would have streamed (tags and all)
+            rest, more = self.finish()
+            return text + rest, calls + more
         rest = (OPEN + self.buf) if self.in_call else self.buf
         self.buf, self.in_call = "", False
         if self.calls:
             rest = rest.strip()
         self.content.append(rest)
-        return rest
+        return rest, []
 
     def message_content(self) -> str | None:
         text = "".join(self.content)
@@ -121,6 +150,30 @@ class ToolCallParser:
             text = text.strip()
             return text or None
         return text
+
+
+FENCE = "```"
+
+
+def parse_bare(text: str, names) -> ParsedCall | None:
+    """A whole output that is one call without the tags (see ToolCallParser), to one of `names`; else None."""
+    t = text.strip()
+    if t.startswith(FENCE):
+        t = t[len(FENCE):]
+        t = t[4:] if t.startswith("json") else t
+        if not t.rstrip().endswith(FENCE):
+            return None
+        t = t.rstrip()[:-len(FENCE)].strip()
+    if t.startswith("{{"):  # the template's example call, braces doubled
+        try:
+            _, end = json.JSONDecoder().raw_decode(t[1:])
+        except ValueError:
+            return None
+        if t[1 + end:].strip().strip("}"):
+            return None
+        t = t[1:1 + end]
+    call = parse_call(t)
+    return call if call is not None and call.name in names else None
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -561,7 +561,8 @@ async def _run(request: Request, srv: Server, worker, who: Principal, tier: str,
         srv.limiter.refund(who, reservation)
         raise
     chat = endpoint == "chat.completions"
-    fmt = _Formatter(srv, worker, req, chat, top_logprobs, plan.parse_tools)
+    fmt = _Formatter(srv, worker, req, chat, top_logprobs, plan.parse_tools,
+                     [t["function"]["name"] for t in plan.tools or []])
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(worker, req, q, fmt, include_usage), media_type="text/event-stream",
@@ -625,9 +626,12 @@ async def _stream(worker, req, q: asyncio.Queue, fmt: "_Formatter", include_usag
                 _, index, finish, _result = msg
                 open_choices.discard(index)
                 if fmt.parsers is not None:
-                    rest = fmt.parsers[index].finish()
+                    rest, calls = fmt.parsers[index].finish()
                     if rest:
                         yield _sse(fmt.chunk([fmt.delta_choice(index, rest, None)], include_usage))
+                    for call in calls:
+                        for d in fmt.tool_call_deltas(index, call):
+                            yield _sse(fmt.chunk([d], include_usage))
                     finish = fmt.finish_reason(index, finish)
                 choice = fmt.delta_choice(index, "", None, finish)
                 if open_choices:
@@ -667,10 +671,12 @@ async def _stream(worker, req, q: asyncio.Queue, fmt: "_Formatter", include_usag
 class _Formatter:
     """Builds OpenAI-shaped responses and chunks from the worker's messages."""
 
-    def __init__(self, srv: Server, worker, req, chat: bool, top_logprobs: int | None, parse_tools: bool = False):
+    def __init__(self, srv: Server, worker, req, chat: bool, top_logprobs: int | None, parse_tools: bool = False,
+                 tool_names=None):
         self.srv, self.worker, self.req, self.chat, self.top = srv, worker, req, chat, top_logprobs
         # streaming with tools: per choice, the parser that splits its output into content and tool calls
-        self.parsers = {c.index: ToolCallParser() for c in req.candidates} if parse_tools else None
+        self.tool_names = frozenset(tool_names or ())
+        self.parsers = {c.index: ToolCallParser(self.tool_names) for c in req.candidates} if parse_tools else None
         self.call_index: dict[int, int] = {c.index: 0 for c in req.candidates}
         self.tok = worker.engine.tokenizer
         self.results: dict[int, Any] = {}
@@ -768,7 +774,7 @@ class _Formatter:
                 lp = self.chat_logprobs(self.records[c.index]) if self.top is not None else None
                 message = {"role": "assistant", "content": text}
                 if self.parsers is not None:
-                    parser = ToolCallParser()
+                    parser = ToolCallParser(self.tool_names)
                     parser.feed(text)
                     parser.finish()
                     message["content"] = parser.message_content()
