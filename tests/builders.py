@@ -1,8 +1,10 @@
-"""Tiny models that the tests build themselves: random weights written to GGUF and to safetensors."""
+"""Tiny models that the tests build themselves: random weights written to GGUF and to safetensors; and a drafter
+that proposes random tokens."""
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -160,3 +162,20 @@ def write_tiny_hf_folder(path: Path, *, dtype=torch.float32, arch="llama", seed=
     (path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": CHATML, "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}))
     return sd
+
+
+class BadDrafter:
+    """Proposes random tokens (and sometimes the right one): it must cost speed, never correctness."""
+    name = "bad"
+
+    def __init__(self, vocab, seed=0):
+        self.rng, self.vocab = random.Random(seed), vocab
+
+    def begin(self, prompt_ids):
+        pass
+
+    def propose(self, context, k, sampler=None):
+        return [self.rng.randrange(self.vocab) for _ in range(k)]
+
+    def end(self, context):
+        pass

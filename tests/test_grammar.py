@@ -3,10 +3,11 @@ sampled with a seed, with drafters that propose tokens the grammar refuses), dra
 forced tokens are drafted, and invalid grammars are refused."""
 
 import json
-import random
 
 import jsonschema
 import pytest
+
+from tests.builders import BadDrafter
 
 from ultrafast.grammar import Grammar, GrammarError
 from ultrafast.sampler import SamplingParams, SamplingError
@@ -16,23 +17,6 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
                          "color": {"enum": ["red", "green", "blue"]},
                          "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}}}
-
-
-class RandomDrafter:
-    """Proposes random tokens, most of which the grammar refuses: they must be cut, never verified wrongly."""
-    name = "random"
-
-    def __init__(self, vocab, seed=0):
-        self.rng, self.vocab = random.Random(seed), vocab
-
-    def begin(self, prompt_ids):
-        pass
-
-    def propose(self, context, k, sampler=None):
-        return [self.rng.randrange(self.vocab) for _ in range(k)]
-
-    def end(self, context):
-        pass
 
 
 def _prompt(engine, text="Describe a person as JSON."):
@@ -48,7 +32,7 @@ def test_json_schema_output_validates_and_tiers_agree(smollm_engine):
         assert std.finish_reason == "stop", std.text
         jsonschema.validate(json.loads(std.text), PERSON)
         fast = engine.generate(_prompt(engine, text), params, tier="ultrafast",
-                               drafters=["grammar", "prompt_lookup", RandomDrafter(engine.config.vocab_size)])
+                               drafters=["grammar", "prompt_lookup", BadDrafter(engine.config.vocab_size)])
         assert fast.token_ids == std.token_ids
         assert fast.spec["drafters"]["grammar"]["accepted"] > 0  # keys and punctuation were free drafts
 
@@ -71,7 +55,7 @@ def test_sampled_under_grammar_is_exact_across_tiers(smollm_engine):
             params = SamplingParams(max_tokens=96, temperature=0.9, seed=seed, grammar=g)
             std = engine.generate(_prompt(engine), params)
             fast = engine.generate(_prompt(engine), params, tier="ultrafast",
-                                   drafters=["grammar", RandomDrafter(engine.config.vocab_size, seed), "prompt_lookup"])
+                                   drafters=["grammar", BadDrafter(engine.config.vocab_size, seed), "prompt_lookup"])
             assert fast.token_ids == std.token_ids
             if std.finish_reason == "stop":
                 jsonschema.validate(json.loads(std.text), PERSON)

@@ -2,14 +2,13 @@
 every drafter, and the sampled distribution unchanged (even under a drafter that proposes bad tokens)."""
 
 import json
-import random
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.builders import write_tiny_gguf
+from tests.builders import BadDrafter, write_tiny_gguf
 from ultrafast.engine import Engine
 from ultrafast.sampler import SamplingParams
 
@@ -27,23 +26,6 @@ def spec_bench_sample(per_category: int):
             seen[q["category"]] += 1
             out.append(q["turns"][0])
     return out
-
-
-class BadDrafter:
-    """Proposes random tokens (and sometimes the right one): it must cost speed, never correctness."""
-    name = "bad"
-
-    def __init__(self, vocab, seed=0):
-        self.rng, self.vocab = random.Random(seed), vocab
-
-    def begin(self, prompt_ids):
-        pass
-
-    def propose(self, context, k, sampler=None):
-        return [self.rng.randrange(self.vocab) for _ in range(k)]
-
-    def end(self, context):
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -71,14 +72,14 @@ def _grammar(args):
     return None
 
 
-def _params(args, max_tokens: int | None = None):
+def _params(args):
     from .sampler import SamplingParams
 
-    return SamplingParams(grammar=_grammar(args),
+    return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed,
-        max_tokens=max_tokens if max_tokens is not None else args.max_tokens, stop=list(args.stop))
+        frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        stop=list(args.stop), grammar=_grammar(args))
 
 
 def _load_engine(args):
@@ -167,7 +168,9 @@ def cmd_generate(args) -> int:
                 try:
                     obj = json.loads(line)
                     ids = _line_prompt(engine, obj, lineno)
-                    res = engine.generate(ids, _params(args, obj.get("max_tokens")), **_tier(args))
+                    line_params = params if obj.get("max_tokens") is None else \
+                        dataclasses.replace(params, max_tokens=obj["max_tokens"])  # (validated again)
+                    res = engine.generate(ids, line_params, **_tier(args))
                     print(json.dumps(res.to_json()), flush=True)
                 except (ValueError, TypeError) as e:  # one bad line gets an error record, the rest still run
                     print(json.dumps({"line": lineno, "error": str(e)}), flush=True)
@@ -178,7 +181,6 @@ def cmd_generate(args) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": args.prompt}]
         ids = engine.chat_prompt(messages)
-    params = _params(args)
     if args.json:
         print(json.dumps(engine.generate(ids, params, **_tier(args)).to_json()))
     else:

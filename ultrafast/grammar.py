@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
@@ -141,10 +142,13 @@ class Constraint:
     def _goto(self, output: Sequence[int]) -> bool:
         """Stand the matcher after `output`; False if the grammar refuses it."""
         seen = self._seen
-        n = min(len(seen), len(output))
-        common = 0
-        while common < n and seen[common] == output[common]:
-            common += 1
+        if len(output) >= len(seen) and list(output[:len(seen)]) == seen:
+            common = len(seen)  # the usual case: the output extends what the matcher saw (one C comparison)
+        else:
+            n = min(len(seen), len(output))
+            common = 0
+            while common < n and seen[common] == output[common]:
+                common += 1
         if common == len(seen) == len(output) and not self._dead:
             return True
         back = len(seen) - common
@@ -165,8 +169,6 @@ class Constraint:
         """logits [V] -> a copy with the tokens the grammar refuses after `output` at -inf. An output the grammar
         refuses (only a drafter's guess can be one: emitted tokens are always admitted) leaves logits as they
         are; the guesses after it are cut before verification anyway."""
-        import time
-
         if not self._goto(output):
             return logits
         t = time.perf_counter()
@@ -179,25 +181,21 @@ class Constraint:
         self.masks += 1
         return out.reshape(-1)
 
-    def allows(self, output: Sequence[int], token: int) -> bool:
-        return self._goto(list(output) + [token])
-
     def cut(self, output: Sequence[int], tokens: list[int], parents: list[int] | None):
         """Drafts after `output` without those the grammar refuses: a chain (parents None) up to its first
         refused token; a tree (node i's parent parents[i-1], 0 the root) without refused nodes and their
         descendants, renumbered. Returns (tokens, parents)."""
-        if parents is None:
-            for i in range(len(tokens)):
-                if not self.allows(list(output) + tokens[:i], tokens[i]):
-                    return tokens[:i], None
-            return tokens, None
+        if parents is None:  # a chain is the tree whose node i hangs from node i - 1
+            kept, _ = self.cut(output, tokens, list(range(len(tokens))))
+            return kept, None
+        output = list(output)
         new_index = {0: 0}
         keep_t, keep_p, paths = [], [], {0: []}
         for i, (t, p) in enumerate(zip(tokens, parents), start=1):
             if p not in new_index:
                 continue
             path = paths[p] + [t]
-            if not self._goto(list(output) + path):
+            if not self._goto(output + path):
                 continue
             keep_t.append(t)
             keep_p.append(new_index[p])

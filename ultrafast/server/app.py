@@ -33,9 +33,9 @@ from .errors import (APIError, AuthError, ContextOverflow, InvalidRequest, Model
 from .ledger import LedgerWriter
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .pricing import PriceTable
-from .structured import OutputPlan, plan_chat, plan_completion
 from .protocol import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse,
                        ModelCard, ModelList, UsageReport)
+from .structured import OutputPlan, plan_chat, plan_completion
 
 log = logging.getLogger("ultrafast.server")
 
@@ -553,7 +553,8 @@ async def _run(request: Request, srv: Server, worker, who: Principal, tier: str,
             pass
 
     req = GenRequest(model=worker.name, tier=tier, endpoint=endpoint, principal=who, prompts=prompts,
-                     make_params=_params_factory(body, max_tokens, top_logprobs, plan.grammar), n=body.n, emit=emit, id=req_id)
+                     make_params=_params_factory(body, max_tokens, top_logprobs, plan.grammar), n=body.n, emit=emit,
+                     id=req_id)
     reservation = srv.limiter.admit(who, sum(len(p) for p in prompts))
     try:
         worker.submit(req)
@@ -617,9 +618,8 @@ async def _stream(worker, req, q: asyncio.Queue, fmt: "_Formatter", include_usag
                 _, index, text, records = msg
                 if fmt.parsers is not None:  # tools: content outside calls, then each call as it closes
                     text, calls = fmt.parsers[index].feed(text)
-                    for call in calls:
-                        for d in fmt.tool_call_deltas(index, call):
-                            yield _sse(fmt.chunk([d], include_usage))
+                    for chunk in fmt.call_chunks(index, calls, include_usage):
+                        yield chunk
                 if text or records:
                     yield _sse(fmt.chunk([fmt.delta_choice(index, text, records)], include_usage))
             elif kind == "choice_done":
@@ -629,9 +629,8 @@ async def _stream(worker, req, q: asyncio.Queue, fmt: "_Formatter", include_usag
                     rest, calls = fmt.parsers[index].finish()
                     if rest:
                         yield _sse(fmt.chunk([fmt.delta_choice(index, rest, None)], include_usage))
-                    for call in calls:
-                        for d in fmt.tool_call_deltas(index, call):
-                            yield _sse(fmt.chunk([d], include_usage))
+                    for chunk in fmt.call_chunks(index, calls, include_usage):
+                        yield chunk
                     finish = fmt.finish_reason(index, finish)
                 choice = fmt.delta_choice(index, "", None, finish)
                 if open_choices:
@@ -743,14 +742,18 @@ class _Formatter:
                   "finish_reason": finish}
         return ch
 
-    def tool_call_deltas(self, index: int, call) -> list[dict]:
-        """A call as OpenAI streams it: its id, type and name with empty arguments, then the arguments."""
-        i = self.call_index[index]
-        self.call_index[index] = i + 1
-        head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-        args = {"index": i, "function": {"arguments": call.arguments}}
-        return [{"index": index, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}
-                for d in (head, args)]
+    def call_chunks(self, index: int, calls, include_usage: bool) -> list[bytes]:
+        """Choice `index`'s calls as OpenAI streams them: per call its id, type and name with empty arguments,
+        then the arguments (SSE events)."""
+        out = []
+        for call in calls:
+            i = self.call_index[index]
+            self.call_index[index] = i + 1
+            head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            args = {"index": i, "function": {"arguments": call.arguments}}
+            out += [_sse(self.chunk([{"index": index, "delta": {"tool_calls": [d]}, "logprobs": None,
+                                      "finish_reason": None}], include_usage)) for d in (head, args)]
+        return out
 
     def finish_reason(self, index: int, finish: str | None) -> str | None:
         calls = self.parsers[index].calls if self.parsers is not None else []

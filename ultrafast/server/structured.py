@@ -66,12 +66,18 @@ def _response_format(body) -> tuple[str, Grammar] | None:
         raise InvalidRequest(f"response_format: {e}", param="response_format") from None
 
 
-def plan_completion(body) -> OutputPlan:
-    found = _extras(body)
+def _at_most_one(found: list[tuple[str, Grammar]], plan: OutputPlan) -> OutputPlan:
+    """The plan with the one grammar the request asked for, if any (two or more: a 400 naming the second)."""
     if len(found) > 1:
         raise InvalidRequest(f"one output constraint at a time, got {', '.join(p for p, _ in found)}",
                              param=found[1][0])
-    return OutputPlan(grammar=found[0][1], grammar_param=found[0][0]) if found else OutputPlan()
+    if found:
+        plan.grammar_param, plan.grammar = found[0]
+    return plan
+
+
+def plan_completion(body) -> OutputPlan:
+    return _at_most_one(_extras(body), OutputPlan())
 
 
 def plan_chat(body, template: str | None, model: str) -> OutputPlan:
@@ -107,9 +113,4 @@ def plan_chat(body, template: str | None, model: str) -> OutputPlan:
                                          f"among the tools", param="tool_choice")
             if forced is not None:
                 found.insert(0, ("tool_choice", Grammar("tool_call", json.dumps(call_schema(forced)))))
-    if len(found) > 1:
-        raise InvalidRequest(f"one output constraint at a time, got {', '.join(p for p, _ in found)}",
-                             param=found[1][0])
-    if found:
-        plan.grammar_param, plan.grammar = found[0]
-    return plan
+    return _at_most_one(found, plan)
