@@ -144,3 +144,27 @@ def test_library_messages_lose_their_log_prefix(smollm_engine):
     with pytest.raises(GrammarError) as e:
         smollm_engine.grammars.compile(Grammar("regex", "\\"))
     assert str(e.value).startswith("invalid regex: Regex parsing error")
+
+
+def test_one_or_several_forced_tool_calls(smollm_engine):
+    """tool_choice required/named: `tool_call` is exactly one call, `tool_calls` (parallel calls allowed) one or
+    more; a tool named `root` stays a name (only the grammar's rule is renamed)."""
+    import xgrammar as xgr
+
+    from ultrafast.tool_calls import call_schema
+
+    tools = [{"type": "function", "function": {"name": "root", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+    schema = json.dumps(call_schema(tools))
+    call = '<tool_call>\n{"name": "root", "arguments": {"x": %d}}\n</tool_call>'
+
+    def matches(kind, text):
+        m = xgr.GrammarMatcher(smollm_engine.grammars.compile(Grammar(kind, schema)))
+        return m.accept_string(text) and m.is_terminated() is False and m.accept_token(
+            sorted(smollm_engine.tokenizer.eos_ids)[0])
+
+    assert matches("tool_call", call % 1) and matches("tool_calls", call % 1)
+    assert matches("tool_calls", call % 1 + "\n" + call % 2 + "\n" + call % 3)
+    assert not matches("tool_call", call % 1 + "\n" + call % 2)
+    assert not matches("tool_calls", call % 1 + "\n")  # a separator promises another call
+    assert not matches("tool_calls", (call % 1).replace("root", "rooted", 1))

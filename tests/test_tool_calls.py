@@ -106,3 +106,14 @@ def test_bare_output_holding_a_tagged_call():
     text = '{"x": 1}\n<tool_call>\n{"name": "get_price", "arguments": {"fruit": "pear"}}\n</tool_call>'
     p, content, calls = _stream(text, 3, names=["get_price"])
     assert [c.name for c in calls] == ["get_price"] and content == '{"x": 1}'
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    two = ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+           '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    p = ToolCallParser(frozenset("ab"), max_calls=1)
+    text, calls = p.feed(two)
+    assert [c.name for c in calls] == ["a"] and text == "" and p.finish() == ("", [])
+    assert [c.name for c in p.calls] == ["a"]
+    p = ToolCallParser(frozenset("ab"))
+    assert [c.name for c in p.feed(two)[1]] == ["a", "b"]

@@ -27,7 +27,8 @@ from typing import Sequence
 
 import torch
 
-KINDS = ("json_schema", "json_object", "regex", "ebnf", "tool_call")  # tool_call: source is the call's JSON schema
+# tool_call: one call (tool_calls.py's format), tool_calls: one or more; their source is a call's JSON schema
+KINDS = ("json_schema", "json_object", "regex", "ebnf", "tool_call", "tool_calls")
 CACHE_GRAMMARS = 64  # compiled grammars kept per compiler
 
 
@@ -53,6 +54,26 @@ class Grammar:
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object")
         return cls("json_schema", json.dumps(schema))  # in its own key order: the output's
+
+
+# in EBNF text: a string literal, a character class, or the rule name `root` (only the last is renamed)
+_ROOT = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|\broot\b')
+
+
+def _tool_calls(schema: str, several: bool):
+    """The tags around a call matching `schema`; `several`: one or more such calls, a newline between."""
+    import xgrammar as xgr
+
+    from .tool_calls import CLOSE, OPEN
+
+    one = xgr.Grammar.concat(xgr.Grammar.from_ebnf(f'root ::= "{OPEN}\\n"'),
+                             xgr.Grammar.from_json_schema(schema, strict_mode=True, any_whitespace=False),
+                             xgr.Grammar.from_ebnf(f'root ::= "\\n{CLOSE}"'))
+    if not several:
+        return one
+    # xgrammar prints a grammar as EBNF it parses back: the one-call grammar under another root name, repeated
+    rules = _ROOT.sub(lambda m: "one_tool_call" if m.group() == "root" else m.group(), str(one))
+    return xgr.Grammar.from_ebnf(rules + '\nroot ::= one_tool_call ("\\n" one_tool_call)*\n')
 
 
 class GrammarCompiler:
@@ -94,15 +115,8 @@ class GrammarCompiler:
                 compiled = c.compile_builtin_json_grammar()
             elif grammar.kind == "regex":
                 compiled = c.compile_regex(grammar.source)
-            elif grammar.kind == "tool_call":  # the tags around one call (tool_calls.py's format)
-                import xgrammar as xgr
-
-                from .tool_calls import CLOSE, OPEN
-
-                compiled = c.compile_grammar(xgr.Grammar.concat(
-                    xgr.Grammar.from_ebnf(f'root ::= "{OPEN}\\n"'),
-                    xgr.Grammar.from_json_schema(grammar.source, strict_mode=True, any_whitespace=False),
-                    xgr.Grammar.from_ebnf(f'root ::= "\\n{CLOSE}"')))
+            elif grammar.kind in ("tool_call", "tool_calls"):
+                compiled = c.compile_grammar(_tool_calls(grammar.source, several=grammar.kind == "tool_calls"))
             else:
                 compiled = c.compile_grammar(grammar.source)
         except (RuntimeError, ValueError, TypeError) as e:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from .token_tree import TreeLayout, graft, keep_path
 from .verifier import verify_tree
 
+MAX_K = 16  # the longest draft the policy considers (r(k) is measured up to k + 1 rows)
+
 
 @dataclass
 class DrafterStats:
@@ -103,7 +105,7 @@ def match_class(n: int) -> int:
     return min(5, max(0, int(n)).bit_length())
 
 
-def forward_times(engine, max_k: int = 16, reps: int = 3, *, prefix: list[int] | None = None,
+def forward_times(engine, max_k: int = MAX_K, reps: int = 3, *, prefix: list[int] | None = None,
                   probe: list[int] | None = None, cache=None) -> list[float]:
     """t[n] = median seconds of an n-row forward (all logits), for n = 1..max_k+1 (t[0] unused).
 
@@ -126,7 +128,7 @@ def forward_times(engine, max_k: int = 16, reps: int = 3, *, prefix: list[int] |
     return times
 
 
-def measure_r(engine, max_k: int = 16, reps: int = 3, *, prefix: list[int] | None = None,
+def measure_r(engine, max_k: int = MAX_K, reps: int = 3, *, prefix: list[int] | None = None,
               probe: list[int] | None = None, cache=None) -> list[float]:
     """r[n] = median time of an n-row forward / that of a 1-row forward, for n = 1..max_k+1 (r[0] unused),
     from `forward_times`. The adaptive policy measures it once per engine; `ultrafast bench` measures it after
@@ -140,7 +142,7 @@ class SpeculativeStepper:
     PROBE_EVERY = 8  # plain steps in a row before trying a one-token draft again (at least)
     PROBE_BUDGET = 0.03  # ... and no sooner than the probe's extra cost stays within this share of those steps
 
-    def __init__(self, engine, cache, drafters: list, r: list[float], max_k: int = 16, fixed_k: int | None = None):
+    def __init__(self, engine, cache, drafters: list, r: list[float], max_k: int = MAX_K, fixed_k: int | None = None):
         if not drafters:
             raise ValueError("the ultrafast tier needs at least one drafter")
         if fixed_k is not None and not 1 <= fixed_k <= len(r) - 2:

@@ -77,8 +77,10 @@ class ToolCallParser:
     `names`: the tools offered. Some models (Qwen2.5-Coder-1.5B at greedy, for one) answer a tool prompt with the
     bare call instead of the tagged one: the whole output a JSON object {"name", "arguments"}, maybe inside a
     ```json fence or the template's own doubled braces. An output that starts like that is held to its end and
-    taken as a call when the name is one of `names`; otherwise it goes out as the text it is."""
+    taken as a call when the name is one of `names`; otherwise it goes out as the text it is. `max_calls` (OpenAI's
+    parallel_tool_calls false: 1) keeps the first calls only."""
     names: frozenset = frozenset()
+    max_calls: int | None = None  # parallel_tool_calls false: 1; the calls past it are dropped
     buf: str = ""
     in_call: bool = False
     calls: list[ParsedCall] = field(default_factory=list)
@@ -121,6 +123,8 @@ class ToolCallParser:
         text_out = "".join(out)
         if self.calls or done:  # whitespace between or around calls is not content
             text_out = text_out.strip()
+        if self.max_calls is not None:
+            done = done[:max(0, self.max_calls - len(self.calls))]
         self.calls.extend(done)
         self.content.append(text_out)
         return text_out, done

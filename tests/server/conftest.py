@@ -98,3 +98,23 @@ def server_factory(tmp_path_factory, smollm_path):
     yield start
     for s in started:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen05_server(tmp_path_factory, qwen05_path):
+    """Qwen2.5-Coder-0.5B served (its template has tools), shared by the tool-call tests of every module."""
+    tmp = tmp_path_factory.mktemp("qwen05")
+    srv = ServerProcess(qwen05_path, str(tmp / "ledger.db"), tmp / "server.log").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen15_server(tmp_path_factory):
+    """`ultrafast serve --model qwen2.5-coder-1.5b`, what the agent clients are tested against."""
+    from ultrafast.pull import pull
+
+    tmp = tmp_path_factory.mktemp("qwen15")
+    srv = ServerProcess(pull("qwen2.5-coder-1.5b"), str(tmp / "ledger.db"), tmp / "server.log").start()
+    yield srv
+    srv.stop()

@@ -240,23 +240,27 @@ def test_logprobs(env):
     assert "".join(lp.tokens) == c.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs)
 
 
-def test_seeded_sampling_and_logprobs_are_the_standard_tiers(env):
+def test_seeded_sampling_and_logprobs_are_the_standard_tiers(server_factory):
     """#12 report 2: with a drafter that samples (self_spec), one seeded request gave three texts in three tries
     and 3 (8 streamed) logprob entries for 40 tokens. Now every try, streamed or not, is the standard tier's
-    text, with one logprob entry per token spelling it."""
-    kw = dict(messages=[{"role": "user", "content": "Tell me a short story about a robot."}], temperature=0.8,
-              seed=7, logprobs=True, top_logprobs=3, max_tokens=40, extra_body={"ignore_eos": True})
-    std = chat(env, **kw)
+    text, with one logprob entry per token spelling it. Every pass drafts (--fixed-draft-k: no policy deciding
+    from timings that drafting does not pay), so the sampling drafter's drafts are always verified."""
+    srv = server_factory(str(server_factory.tmp / "fixed-k.db"), "--max-context", "512", "--no-warmup",
+                         "--drafters", "self_spec", "--self-spec-layers", "0-1", "--fixed-draft-k", "3")
+    api = openai.OpenAI(base_url=srv.base_url, api_key="local", max_retries=0, timeout=120)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a short story about a robot."}],
+              temperature=0.8, seed=7, logprobs=True, top_logprobs=3, max_tokens=40, extra_body={"ignore_eos": True})
+    std = api.chat.completions.create(**kw)
     text = std.choices[0].message.content
     entries = [(t.token, t.logprob) for t in std.choices[0].logprobs.content]
     assert std.usage.completion_tokens == 40 and len(entries) == 40 and "".join(t for t, _ in entries) == text
     drafted = 0
     for _ in range(2):
-        u = chat(env, service_tier="ultrafast", **kw)
+        u = api.chat.completions.create(service_tier="ultrafast", **kw)
         assert u.choices[0].message.content == text
         assert [(t.token, t.logprob) for t in u.choices[0].logprobs.content] == entries
         drafted += u.model_extra["time_info"]["drafters"]["self_spec"]["drafted"]
-        chunks = list(client(env).chat.completions.create(model=MODEL, stream=True, service_tier="ultrafast", **kw))
+        chunks = list(api.chat.completions.create(stream=True, service_tier="ultrafast", **kw))
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
         streamed = [(t.token, t.logprob) for ch in chunks if ch.choices and ch.choices[0].logprobs
                     for t in ch.choices[0].logprobs.content]

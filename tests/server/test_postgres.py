@@ -8,6 +8,7 @@ set (CI), where that is a failure."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import pwd
 import shutil
@@ -129,6 +130,14 @@ def test_server_ledger_on_postgres(pg_url, server_factory):
         rows = db.query("SELECT * FROM ledger WHERE request_id = ?", (r.id,))
     assert rows and rows[0]["status"] == "finished" and rows[0]["completion_tokens"] == r.usage.completion_tokens
     assert rows[0]["prompt_tokens"] == r.usage.prompt_tokens
+    # the Responses API keeps its conversations there: a continuation reads the stored turn back
+    first = c.responses.create(model="smollm2-135m", input="Hi!", max_output_tokens=4, temperature=0)
+    more = c.responses.create(model="smollm2-135m", input="Again.", previous_response_id=first.id,
+                              max_output_tokens=4, temperature=0)
+    assert more.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    stored = db.query("SELECT response FROM responses WHERE response_id = ?", (more.id,))
+    assert json.loads(stored[0]["response"])["previous_response_id"] == first.id
+    assert db.query("SELECT endpoint FROM ledger WHERE request_id = ?", (more.id,))[0]["endpoint"] == "responses"
     db.close()
 
 

@@ -1,22 +1,17 @@
 """Structured output and tool calls through the API, driven by the official `openai` client: JSON schemas
 (`chat.completions.parse` with a pydantic model), json_object, vLLM's structured_outputs extras, forced tool
-calls (whole and streamed), tool results fed back, and the 400s for what cannot be honoured. Then a real agent
-client from PyPI, unchanged, against `ultrafast serve --model qwen2.5-coder-1.5b`: the OpenAI Agents SDK
-(`openai-agents`, over chat completions) runs an agent with two function tools to completion, in both tiers."""
+calls (whole and streamed), tool results fed back, and the 400s for what cannot be honoured. Real agent clients:
+tests/server/test_agents.py."""
 
 from __future__ import annotations
 
 import json
 from typing import Literal
 
-import asyncio
-
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-
-from tests.server.conftest import ServerProcess
 
 
 class Person(BaseModel):
@@ -43,11 +38,8 @@ def smol(server_factory):
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory, qwen05_path):
-    tmp = tmp_path_factory.mktemp("qwen-tools")
-    srv = ServerProcess(qwen05_path, str(tmp / "ledger.db"), tmp / "server.log").start()
-    yield openai.OpenAI(base_url=srv.base_url, api_key="local", max_retries=0, timeout=600)
-    srv.stop()
+def qwen(qwen05_server):
+    return openai.OpenAI(base_url=qwen05_server.base_url, api_key="local", max_retries=0, timeout=600)
 
 
 def _ask(text):
@@ -171,43 +163,18 @@ def test_named_tool_choice_and_unknown_name(qwen):
     assert e.value.body["param"] == "tool_choice"
 
 
-@pytest.fixture(scope="module")
-def qwen15_url(tmp_path_factory):
-    from ultrafast.pull import pull
-
-    tmp = tmp_path_factory.mktemp("agents")
-    srv = ServerProcess(pull("qwen2.5-coder-1.5b"), str(tmp / "ledger.db"), tmp / "server.log").start()
-    yield srv.base_url
-    srv.stop()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("tier", ["standard", "ultrafast"])
-def test_openai_agents_sdk_runs_a_tool_agent_to_completion(qwen15_url, tier):
-    agents = pytest.importorskip("agents")
-    from openai import AsyncOpenAI
-
-    calls = []
-
-    @agents.function_tool
-    def get_price(fruit: str) -> int:
-        """The price of one fruit in dollars."""
-        calls.append(("get_price", fruit))
-        return {"apple": 3, "pear": 2}.get(fruit.lower().rstrip("s"), 0)
-
-    @agents.function_tool
-    def multiply(a: int, b: int) -> int:
-        """a times b."""
-        calls.append(("multiply", a, b))
-        return a * b
-
-    agents.set_tracing_disabled(True)
-    client = AsyncOpenAI(base_url=qwen15_url, api_key="local", max_retries=0)
-    agent = agents.Agent(
-        name="shop", instructions="Use the tools to answer. Answer with the total price only.",
-        tools=[get_price, multiply],
-        model=agents.OpenAIChatCompletionsModel(model="qwen2.5-coder-1.5b", openai_client=client),
-        model_settings=agents.ModelSettings(temperature=0, extra_body={"service_tier": tier}))
-    result = asyncio.run(agents.Runner.run(agent, "What is the price of an apple?", max_turns=6))
-    assert ("get_price", "apple") in calls  # the model's call reached the tool
-    assert "3" in str(result.final_output)  # and the tool's answer came back to it
+def test_parallel_tool_calls(qwen):
+    """tool_choice required with parallel calls allowed (the default) forces one call or more, so two cities get
+    two calls; parallel_tool_calls false forces exactly one."""
+    kw = dict(model="qwen2.5-coder-0.5b", messages=_ask("What is the weather in Paris and in London?"),
+              tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=120)
+    seen = {}
+    for parallel in (None, False):
+        for tier in ("standard", "ultrafast"):
+            extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+            ch = qwen.chat.completions.create(extra_body={"service_tier": tier}, **kw, **extra).choices[0]
+            assert ch.finish_reason == "tool_calls"
+            seen[parallel, tier] = [(c.function.name, json.loads(c.function.arguments)["city"])
+                                    for c in ch.message.tool_calls]
+    assert seen[None, "standard"] == seen[None, "ultrafast"] and len(seen[None, "standard"]) == 2
+    assert seen[False, "standard"] == seen[False, "ultrafast"] == seen[None, "standard"][:1]

@@ -1,4 +1,4 @@
-"""The FastAPI application: OpenAI's chat completions, completions and models endpoints, plus the
+"""The FastAPI application: OpenAI's chat completions, completions, responses and models endpoints, plus the
 calling key's usage, metrics and a health check.
 
 Everything an app needs lives on `app.state.server` (a `Server`): no module-level mutable state, so
@@ -21,11 +21,15 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..grammar import GrammarError
-from ..tool_calls import ToolCallParser, to_template_messages
+from ..tool_calls import to_template_messages
+from . import conversations
 from . import ledger as ledger_mod
+from . import protocol
+from . import responses as responses_api
 from .auth import LOCAL_USER, KeyStore, Principal, RateLimiter, bearer_token, is_loopback, resolve_tier
 from .db import Database
 from .errors import (APIError, AuthError, ContextOverflow, InvalidRequest, ModelNotFound, PayloadTooLarge,
@@ -33,8 +37,8 @@ from .errors import (APIError, AuthError, ContextOverflow, InvalidRequest, Model
 from .ledger import LedgerWriter
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .pricing import PriceTable
-from .protocol import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse,
-                       ModelCard, ModelList, UsageReport)
+from .protocol import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, DeletedResponse,
+                       ErrorResponse, ModelCard, ModelList, ResponseObject, ResponsesRequest, UsageReport)
 from .structured import OutputPlan, plan_chat, plan_completion
 
 log = logging.getLogger("ultrafast.server")
@@ -65,6 +69,7 @@ class ServerConfig:
     draft_model: Any = None  # path of a draft model for the (one) model served
     self_spec_layers: str | None = None  # the self_spec drafter's layers, e.g. "0-8,18-27"
     draft_head: str | None = "auto"  # a draft head file, "auto" (the one trained for the model file, if any) or "none"
+    fixed_draft_k: int | None = None  # no draft policy: every ultrafast pass drafts this many (exactness checks)
     engine_factories: dict = field(default_factory=dict)  # name -> callable returning an Engine (tests)
 
     @property
@@ -99,7 +104,7 @@ class Server:
                               device=config.device, warmup=config.warmup, threads=config.threads,
                               activation_bits=config.activation_bits, drafters=config.drafters,
                               draft_model=config.draft_model, self_spec_layers=config.self_spec_layers,
-                              draft_head=config.draft_head,
+                              draft_head=config.draft_head, fixed_draft_k=config.fixed_draft_k,
                               engine_factory=config.engine_factories.get(name))
             for name, path in config.models}
 
@@ -241,12 +246,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
                 f"(at position {e['loc'][-1] if e.get('loc') else '?'})"), None, "invalid_json"
     loc = [str(x) for x in e.get("loc", ()) if x != "body"]
     # pydantic reports every member of a union; name the field, not the union branch
-    param = ".".join(x for x in loc if not x.startswith(("list[", "str", "int", "function-", "union[", "constrained-")))
+    param = ".".join(x for x in loc if not x.startswith(("list[", "str", "int", "function-", "union[", "constrained-"))
+                     and not _is_model_name(x))
     if not loc:
         msg = "the request body must be a JSON object" if e.get("type") in ("model_attributes_type", "dict_type") \
             else e.get("msg", "invalid request")
         return msg, None, "invalid_request"
     return f"Invalid value for '{param or '.'.join(loc)}': {e.get('msg')}", param or None, "invalid_value"
+
+
+def _is_model_name(name: str) -> bool:
+    """A union member's class name in a validation error's location (`input.0.InputMessage.content`)."""
+    obj = getattr(protocol, name, None)
+    return isinstance(obj, type) and issubclass(obj, BaseModel)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -373,24 +385,45 @@ def _install_routes(app: FastAPI) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request, who: Principal = Depends(authenticate)):
         srv: Server = request.app.state.server
         worker = srv.worker(body.model)
-        tier = resolve_tier(body.service_tier, who)
-        _check_common(body, worker.engine.config.vocab_size)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-        messages = _chat_messages(body)
-        engine = worker.engine
-        plan = plan_chat(body, engine.tokenizer.chat_template, worker.name)
-        await _compile(engine, plan)
-        try:
-            ids = await asyncio.to_thread(engine.chat_prompt, to_template_messages(messages), plan.tools)
-        except (ValueError, TypeError) as e:
-            raise InvalidRequest(f"could not apply the chat template: {e}", param="messages") from None
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = _budget(ids, max_tokens, engine.max_context, "messages",
-                             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        return await _run(request, srv, worker, who, tier, "chat.completions", body, [ids], max_tokens, top,
-                          f"chatcmpl-{uuid.uuid4().hex}", plan)
+        return await _chat(request, srv, worker, who, body, "chat.completions", f"chatcmpl-{uuid.uuid4().hex}")
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=_GENERATION)
+    async def create_response(body: ResponsesRequest, request: Request, who: Principal = Depends(authenticate)):
+        """OpenAI's Responses API: text or items in, message and function_call items out (responses.py)."""
+        srv: Server = request.app.state.server
+        worker = srv.worker(body.model)
+        history = []
+        if body.previous_response_id is not None:
+            history = await asyncio.to_thread(conversations.conversation, srv.db, body.previous_response_id,
+                                              who.key_id)
+            if history is None:
+                raise InvalidRequest(f"Previous response with id '{body.previous_response_id}' not found.",
+                                     param="previous_response_id", code="previous_response_not_found")
+        context = history + responses_api.input_items(body)
+        with responses_api.responses_params():
+            chat = responses_api.to_chat_request(body, responses_api.to_messages(body.instructions, context))
+
+            def output(req, plan):
+                return responses_api.ResponseOutput(srv, worker, req, body, plan, context, who.key_id)
+
+            return await _chat(request, srv, worker, who, chat, "responses", responses_api.new_id("resp"), output)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
+    async def get_response(response_id: str, request: Request, who: Principal = Depends(authenticate)):
+        srv: Server = request.app.state.server
+        obj = await asyncio.to_thread(conversations.load, srv.db, response_id, who.key_id)
+        if obj is None:
+            raise APIError(f"No response found with id '{response_id}'.", status=404, type="invalid_request_error",
+                           param="response_id", code="response_not_found")
+        return JSONResponse(obj)
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
+    async def delete_response(response_id: str, request: Request, who: Principal = Depends(authenticate)):
+        srv: Server = request.app.state.server
+        if not await asyncio.to_thread(conversations.delete, srv.db, response_id, who.key_id):
+            raise APIError(f"No response found with id '{response_id}'.", status=404, type="invalid_request_error",
+                           param="response_id", code="response_not_found")
+        return DeletedResponse(id=response_id, deleted=True)
 
     @app.post("/v1/completions", response_model=Completion, responses=_GENERATION)
     async def completions(body: CompletionRequest, request: Request, who: Principal = Depends(authenticate)):
@@ -432,6 +465,28 @@ def _install_routes(app: FastAPI) -> None:
             _budget(ids, max_tokens, engine.max_context, "prompt", "max_tokens")
         return await _run(request, srv, worker, who, tier, "completions", body, ids_list, max_tokens, body.logprobs,
                           f"cmpl-{uuid.uuid4().hex}", plan)
+
+
+async def _chat(request: Request, srv: Server, worker, who: Principal, body: ChatCompletionRequest, endpoint: str,
+                req_id: str, output=None):
+    """A chat request through the model's template: chat completions, and the Responses API translated."""
+    tier = resolve_tier(body.service_tier, who)
+    _check_common(body, worker.engine.config.vocab_size)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+    messages = _chat_messages(body)
+    engine = worker.engine
+    plan = plan_chat(body, engine.tokenizer.chat_template, worker.name)
+    await _compile(engine, plan)
+    try:
+        ids = await asyncio.to_thread(engine.chat_prompt, to_template_messages(messages), plan.tools)
+    except (ValueError, TypeError) as e:
+        raise InvalidRequest(f"could not apply the chat template: {e}", param="messages") from None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = _budget(ids, max_tokens, engine.max_context, "messages",
+                         "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    return await _run(request, srv, worker, who, tier, endpoint, body, [ids], max_tokens, top, req_id, plan, output)
 
 
 def _model_card(srv: Server, name: str) -> ModelCard:
@@ -537,7 +592,11 @@ async def _wait_disconnect(request: Request, on_disconnect) -> None:
 
 
 async def _run(request: Request, srv: Server, worker, who: Principal, tier: str, endpoint: str, body,
-               prompts: list[list[int]], max_tokens: int, top_logprobs: int | None, req_id: str, plan: OutputPlan):
+               prompts: list[list[int]], max_tokens: int, top_logprobs: int | None, req_id: str, plan: OutputPlan,
+               output=None):
+    """Generate: the whole response, or its stream. `output(req, plan)` makes what builds them (default: chat
+    completions' and completions' `_Formatter`): absorb(msg), full_response(summary), async completed(obj),
+    stream(queue, include_usage)."""
     from .scheduler import GenRequest
 
     if top_logprobs is not None and not worker.logprobs_supported:
@@ -561,12 +620,13 @@ async def _run(request: Request, srv: Server, worker, who: Principal, tier: str,
     except APIError:
         srv.limiter.refund(who, reservation)
         raise
-    chat = endpoint == "chat.completions"
-    fmt = _Formatter(srv, worker, req, chat, top_logprobs, plan.parse_tools,
-                     [t["function"]["name"] for t in plan.tools or []])
+    if output is None:
+        fmt = _Formatter(srv, worker, req, endpoint == "chat.completions", top_logprobs, plan)
+    else:
+        fmt = output(req, plan)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(worker, req, q, fmt, include_usage), media_type="text/event-stream",
+        return StreamingResponse(fmt.stream(q, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                           "X-Request-Id": req.id})
     watcher = asyncio.create_task(_wait_disconnect(request, lambda: (worker.cancel(req), q.put_nowait(("gone",)))))
@@ -590,7 +650,9 @@ async def _run(request: Request, srv: Server, worker, who: Principal, tier: str,
                                    code="generation_failed")
                 if summary["status"] == "cancelled":  # not by this client: the server is stopping
                     raise Unavailable(f"the request was cancelled: {summary['message']}", code="cancelled")
-                return JSONResponse(fmt.full_response(summary), headers={"X-Request-Id": req.id})
+                obj = fmt.full_response(summary)
+                await fmt.completed(obj)
+                return JSONResponse(obj, headers={"X-Request-Id": req.id})
     finally:
         watcher.cancel()
         if not done:
@@ -670,12 +732,11 @@ async def _stream(worker, req, q: asyncio.Queue, fmt: "_Formatter", include_usag
 class _Formatter:
     """Builds OpenAI-shaped responses and chunks from the worker's messages."""
 
-    def __init__(self, srv: Server, worker, req, chat: bool, top_logprobs: int | None, parse_tools: bool = False,
-                 tool_names=None):
+    def __init__(self, srv: Server, worker, req, chat: bool, top_logprobs: int | None, plan: OutputPlan):
         self.srv, self.worker, self.req, self.chat, self.top = srv, worker, req, chat, top_logprobs
         # streaming with tools: per choice, the parser that splits its output into content and tool calls
-        self.tool_names = frozenset(tool_names or ())
-        self.parsers = {c.index: ToolCallParser(self.tool_names) for c in req.candidates} if parse_tools else None
+        self.plan = plan
+        self.parsers = {c.index: plan.call_parser() for c in req.candidates} if plan.parse_tools else None
         self.call_index: dict[int, int] = {c.index: 0 for c in req.candidates}
         self.tok = worker.engine.tokenizer
         self.results: dict[int, Any] = {}
@@ -683,6 +744,12 @@ class _Formatter:
         self.records: dict[int, list] = {c.index: [] for c in req.candidates}
         self.texts: dict[int, list[str]] = {c.index: [] for c in req.candidates}
         self._tokstr: dict[int, str] = {}
+
+    def stream(self, q: asyncio.Queue, include_usage: bool):
+        return _stream(self.worker, self.req, q, self, include_usage)
+
+    async def completed(self, obj: dict) -> None:
+        """Nothing to do once a chat completion or completion is whole."""
 
     def absorb(self, msg) -> None:
         if msg[0] == "delta":
@@ -777,7 +844,7 @@ class _Formatter:
                 lp = self.chat_logprobs(self.records[c.index]) if self.top is not None else None
                 message = {"role": "assistant", "content": text}
                 if self.parsers is not None:
-                    parser = ToolCallParser(self.tool_names)
+                    parser = self.plan.call_parser()
                     parser.feed(text)
                     parser.finish()
                     message["content"] = parser.message_content()

@@ -51,6 +51,9 @@ def add_commands(sub) -> None:
     s.add_argument("--draft-model", default=None,
                    help="a smaller model sharing the tokenizer, drafting for the (one) --model: name or path")
     s.add_argument("--self-spec-layers", default=None, help="the self_spec drafter's layers, e.g. 0-8,18-27")
+    s.add_argument("--fixed-draft-k", type=int, default=None,
+                   help="no draft policy: every ultrafast pass drafts K tokens, the drafters taking turns (an "
+                        "exactness check; slower than the policy)")
     s.add_argument("--no-warmup", action="store_true", help="skip measuring r(k) for the ultrafast tier at start")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=cmd_serve)
@@ -127,7 +130,8 @@ def cmd_serve(args) -> int:
                           ultrafast_weight=args.ultrafast_weight, device=args.device, warmup=not args.no_warmup,
                           threads=args.threads, activation_bits=args.activation_bits, drafters=drafters,
                           draft_model=resolve_model(args.draft_model) if args.draft_model else None,
-                          self_spec_layers=args.self_spec_layers, draft_head=args.draft_head)
+                          self_spec_layers=args.self_spec_layers, draft_head=args.draft_head,
+                          fixed_draft_k=args.fixed_draft_k)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     srv = app.state.server

@@ -1,4 +1,4 @@
-"""The service's database: API keys and the ledger.
+"""The service's database: API keys, the ledger and stored responses.
 
 SQLite by default (a file path; WAL journal, so readers never block the writer and a killed process
 leaves every committed row intact and no half-written one), PostgreSQL when the target is a
@@ -63,6 +63,15 @@ _SQLITE_SCHEMA = [
         instance TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS ledger_key_day ON ledger (key_id, day)",
+    # stored Responses API responses (responses.py): the conversation before the output, for previous_response_id
+    """CREATE TABLE IF NOT EXISTS responses (
+        response_id TEXT PRIMARY KEY,
+        key_id TEXT,
+        model TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        context TEXT NOT NULL,
+        response TEXT NOT NULL
+    )""",
 ]
 
 # columns added since the first schema: added to an older database by `init`

@@ -40,7 +40,7 @@ class LedgerRow:
     key_id: str | None
     model: str
     tier: str
-    endpoint: str  # chat.completions / completions
+    endpoint: str  # chat.completions / completions / responses
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int

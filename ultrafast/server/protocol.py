@@ -345,3 +345,136 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+# ------------------------------------------------------------------------------------ the Responses API
+
+
+class InputContentPart(BaseModel):
+    """A content part of an input message: text (an image or a file is a 400)."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Union[str, list[InputContentPart]]
+
+
+class FunctionCallItem(BaseModel):
+    """A call the model made earlier (an output item sent back as input)."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function_call"]
+    call_id: NonEmptyStr
+    name: FunctionName
+    arguments: str
+
+
+class FunctionCallOutputItem(BaseModel):
+    """A tool's result, answering the call with the same call_id."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function_call_output"]
+    call_id: NonEmptyStr
+    output: Union[str, list[InputContentPart]]
+
+
+InputItem = Union[InputMessage, FunctionCallItem, FunctionCallOutputItem]
+
+
+class FunctionTool(BaseModel):
+    """A function tool as the Responses API spells it (flat: no `function` wrapper); other tool types: 400."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    name: FunctionName
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class FunctionToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    name: FunctionName
+
+
+class TextFormat(BaseModel):
+    """text, json_object, or json_schema (with the schema beside the type, not under json_schema)."""
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = Field(None, max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[Union[dict[str, Any], bool]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    format: Optional[TextFormat] = None
+
+
+class ResponsesRequest(_Request):
+    """POST /v1/responses. Sampling extensions (seed, top_k, min_p, repetition_penalty, ...) are read as in chat
+    completions."""
+    model: str = Field(min_length=1)
+    input: Union[NonEmptyStr, Annotated[list[InputItem], Field(min_length=1)]]
+    instructions: Optional[str] = None
+    previous_response_id: Optional[NonEmptyStr] = None
+    tools: Optional[list[FunctionTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[TextConfig] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    stream: Optional[bool] = False
+    store: Optional[bool] = True
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    service_tier: Optional[Literal["standard", "ultrafast", "auto", "default"]] = None
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A response: its output items are `message` (output_text parts) and `function_call` items."""
+    id: str
+    object: Literal["response"] = "response"
+    created_at: float
+    completed_at: Optional[float] = None
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    error: Optional[dict[str, Any]] = None
+    incomplete_details: Optional[dict[str, Any]] = None
+    model: str
+    output: list[dict[str, Any]]
+    instructions: Optional[str] = None
+    previous_response_id: Optional[str] = None
+    tools: list[dict[str, Any]] = []
+    tool_choice: Union[str, dict[str, Any]] = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] = {}
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    max_output_tokens: Optional[int] = None
+    store: bool = True
+    metadata: dict[str, str] = {}
+    user: Optional[str] = None
+    truncation: str = "disabled"
+    reasoning: dict[str, Any] = {}
+    service_tier: str
+    usage: Optional[ResponseUsage] = None
+    time_info: Optional[TimeInfo] = None
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool

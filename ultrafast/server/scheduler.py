@@ -148,11 +148,16 @@ class ModelWorker:
                  limiter: RateLimiter, device: str | None = None, warmup: bool = True, threads: int | None = None,
                  activation_bits: int = 16, drafters: list[str] | None = None, draft_model=None,
                  self_spec_layers: str | None = None, engine_factory: Callable[[], Any] | None = None,
-                 draft_head: str | None = "auto"):
+                 draft_head: str | None = "auto", fixed_draft_k: int | None = None):
         if slots < 1:
             raise ValueError("--slots must be at least 1")
         if max_queue < 1:
             raise ValueError("--max-queue must be at least 1")
+        if fixed_draft_k is not None:
+            from ..speculative import MAX_K
+
+            if not 1 <= fixed_draft_k <= MAX_K:
+                raise ValueError(f"--fixed-draft-k must be in 1..{MAX_K}, got {fixed_draft_k}")
         self.name, self.path = name, path
         self.max_context, self.n_slots, self.max_queue = max_context, slots, max_queue
         self.ultrafast_weight = max(1, ultrafast_weight)
@@ -160,7 +165,7 @@ class ModelWorker:
         self.device, self.warmup, self.threads = device, warmup, threads
         self.activation_bits = activation_bits
         self.drafters, self.draft_model, self.self_spec_layers = drafters, draft_model, self_spec_layers
-        self.draft_head = draft_head
+        self.draft_head, self.fixed_draft_k = draft_head, fixed_draft_k
         self._engine_factory = engine_factory
         self.engine = None
         self.logprobs_supported = False
@@ -242,6 +247,7 @@ class ModelWorker:
             engine.attach_draft_head(None if self.draft_head == "auto" else self.draft_head)
         if self.drafters:
             engine.default_drafters = list(self.drafters)  # what every ultrafast request here drafts with
+        engine.fixed_draft_k = self.fixed_draft_k
         return engine
 
     def _main(self) -> None:

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 
 from ..grammar import Grammar, GrammarError
-from ..tool_calls import ToolFormatError, call_schema, check_template
+from ..tool_calls import ToolCallParser, ToolFormatError, call_schema, check_template
 from .errors import InvalidRequest
 
 
@@ -18,6 +18,11 @@ class OutputPlan:
     grammar_param: str | None = None  # the request field the grammar came from (for a compile error's 400)
     tools: list[dict] | None = None  # for the chat template
     parse_tools: bool = False  # read tool calls out of the output
+    max_calls: int | None = None  # parallel_tool_calls false: 1 (the calls after the first are dropped)
+
+    def call_parser(self) -> ToolCallParser:
+        """A parser of one output's tool calls (to the tools offered)."""
+        return ToolCallParser(frozenset(t["function"]["name"] for t in self.tools or []), self.max_calls)
 
 
 def _extras(body) -> list[tuple[str, Grammar]]:
@@ -102,7 +107,8 @@ def plan_chat(body, template: str | None, model: str) -> OutputPlan:
                 check_template(template, model)
             except ToolFormatError as e:
                 raise InvalidRequest(str(e), param="tools") from None
-            plan = OutputPlan(tools=tools, parse_tools=True)
+            single = body.parallel_tool_calls is False
+            plan = OutputPlan(tools=tools, parse_tools=True, max_calls=1 if single else None)
             forced = None
             if choice == "required":
                 forced = tools
@@ -112,5 +118,6 @@ def plan_chat(body, template: str | None, model: str) -> OutputPlan:
                     raise InvalidRequest(f"tool_choice names the function {choice.function.name!r}, which is not "
                                          f"among the tools", param="tool_choice")
             if forced is not None:
-                found.insert(0, ("tool_choice", Grammar("tool_call", json.dumps(call_schema(forced)))))
+                kind = "tool_call" if single else "tool_calls"  # one call, or one or more
+                found.insert(0, ("tool_choice", Grammar(kind, json.dumps(call_schema(forced)))))
     return _at_most_one(found, plan)
