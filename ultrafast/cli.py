@@ -298,6 +298,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-context", type=int, default=2048)
     s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.json_output", fromlist=["main"]).main(a))
 
+    s = sub.add_parser("evals", help="whole jobs through the server, per tier: best-of-N with execution")
+    evals = s.add_subparsers(dest="eval", required=True)
+    e = evals.add_parser("humaneval", help="HumanEval best-of-N: N candidates per problem in one request, each run "
+                                           "against the tests in a sandbox, the first passing kept")
+    e.add_argument("--model", default=DEFAULT_MODEL, help="served for the run (unless --url)")
+    e.add_argument("--url", default=None, help="a running server instead (e.g. http://127.0.0.1:8000)")
+    e.add_argument("--api-key", default=None)
+    e.add_argument("--n", type=int, default=10, help="candidates per problem (one request with n = N)")
+    e.add_argument("--tier", choices=["standard", "ultrafast", "both"], default="both")
+    e.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="skip the same problems with n = 1 (the wall-clock N candidates are read against)")
+    e.add_argument("--limit", type=int, default=None, help="the first K problems only (default all 164)")
+    e.add_argument("--temperature", type=float, default=0.8)
+    e.add_argument("--top-p", type=float, default=0.95)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--max-tokens", type=int, default=512)
+    e.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per candidate's run")
+    e.add_argument("--max-context", type=int, default=2048)
+    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--out", default="humaneval-records.jsonl", help="one JSON line per problem and run, appended")
+    e.add_argument("--json", default=None, help="also write the summary as JSON to this file")
+    e.set_defaults(fn=lambda a: __import__("ultrafast.evals.humaneval", fromlist=["run"]).run(a))
+
     s = sub.add_parser("train-draft", help="train a draft head for a model on this machine (the ultrafast tier "
                                             "uses it when present)")
     s.add_argument("--model", default=DEFAULT_MODEL)

@@ -641,3 +641,21 @@ def test_tiny_sampling_values_give_the_greedy_text(env):
     for kw in ({"temperature": 1e-40}, {"temperature": 0.7, "top_p": 1e-320}):
         r = client(env).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, seed=1, **kw)
         assert r.choices[0].message.content == greedy, kw
+
+
+def test_ultrafast_candidates_decode_together(server_factory):
+    """n = 4 in the ultrafast tier: while the candidates' own drafts yield less than a batched pass does (open
+    sampled text), their steps share one pass over the weights, as the standard tier's do; their tokens stay
+    the standard tier's."""
+    srv = server_factory(str(server_factory.tmp / "batch.db"), "--max-context", "512", "--no-warmup", "--slots", "4",
+                         "--draft-head", "none")
+    api = openai.OpenAI(base_url=srv.base_url, api_key="local", max_retries=0, timeout=120)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Invent a word and define it."}], n=4,
+              temperature=0.9, seed=11, max_tokens=32, extra_body={"ignore_eos": True})
+    texts = {tier: [c.message.content for c in sorted(api.chat.completions.create(service_tier=tier, **kw).choices,
+                                                        key=lambda c: c.index)] for tier in ("standard", "ultrafast")}
+    assert texts["standard"] == texts["ultrafast"] and len(set(texts["standard"])) > 1
+    metrics = httpx.get(srv.url + "/metrics").text
+    rows = {line.split('tier="')[1].split('"')[0]: float(line.split()[-1]) for line in metrics.splitlines()
+            if line.startswith("ultrafast_batched_pass_rows_total{")}
+    assert rows.get("standard", 0) > 0 and rows.get("ultrafast", 0) > 0

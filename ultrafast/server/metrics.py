@@ -53,6 +53,9 @@ class ServerMetrics:
         self.shared_prefill = Counter("ultrafast_shared_prefill_tokens",
                                       "Prompt rows copied from a sibling candidate's slot (n > 1) instead of computed",
                                       ["model"], registry=r)
+        self.batched_rows = Counter("ultrafast_batched_pass_rows",
+                                    "Rows of batched passes (several candidates' plain steps in one pass over the "
+                                    "weights), by model and tier", ["model", "tier"], registry=r)
         self.ledger_errors = Counter("ultrafast_ledger_errors", "Ledger rows that could not be written", registry=r)
 
     def render(self) -> bytes:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from ..sampler import REPETITION_PENALTY_RANGE
 
-MAX_N = 8
+MAX_N = 16
 MAX_STOP = 4
 
 

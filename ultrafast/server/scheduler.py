@@ -74,6 +74,7 @@ class Candidate:
     last_t: float | None = None
     result: Any = None  # GenerationResult
     finish_reason: str | None = None
+    spec_rate: float = 1.0  # ultrafast: tokens per target step-time of its own passes (EMA)
 
     @property
     def logprobs(self) -> bool:
@@ -170,6 +171,7 @@ class ModelWorker:
         self.engine = None
         self.logprobs_supported = False
         self._generations = self._batch = False
+        self._batched_rounds = 0  # ultrafast batched rounds since the last probe
         self.slots: list[Slot] = []
         self.load_error: BaseException | None = None
         self.ready = threading.Event()
@@ -390,7 +392,13 @@ class ModelWorker:
 
     def _round(self) -> None:
         live = lambda c: c.state == "active" and not c.req.cancelled  # noqa: E731
-        for c in [c for c in self._active if c.req.tier == "ultrafast"]:
+        ultra = [c for c in self._active if c.req.tier == "ultrafast"]
+        together = self._batchable([c for c in ultra if live(c)])
+        if together and self._batch_pays(together):
+            for _ in range(self.ultrafast_weight):
+                self._batched_pass([c for c in together if live(c)])
+            ultra = [c for c in ultra if c not in together]
+        for c in ultra:
             for _ in range(self.ultrafast_weight):
                 if not live(c):
                     break
@@ -401,20 +409,57 @@ class ModelWorker:
             self._step(c)  # its prefill: one forward of its own
         ready = [c for c in standard if c.prefilled and live(c) and c not in fresh]
         if self._batch and len(ready) > 1:
-            try:
-                logits = self.engine.forward_batch([c.gen.plain_input() for c in ready])
-            except Exception as e:
-                log.exception("a batched pass failed (model %s)", self.name)
-                for c in ready:
-                    self._stop_request(c.req, "failed", f"generation failed: {type(e).__name__}: {e}")
-                return
-            for c, row in zip(ready, logits):
-                if live(c):
-                    self._step(c, row)
+            self._batched_pass(ready)
         else:
             for c in ready:
                 if live(c):
                     self._step(c)
+
+    def _batched_pass(self, cands: list[Candidate]) -> None:
+        """One pass over the weights for several candidates' plain steps (bit-identical to each alone)."""
+        if not cands:
+            return
+        try:
+            logits = self.engine.forward_batch([c.gen.plain_input() for c in cands])
+        except Exception as e:
+            log.exception("a batched pass failed (model %s)", self.name)
+            for c in cands:
+                self._stop_request(c.req, "failed", f"generation failed: {type(e).__name__}: {e}")
+            return
+        for tier in {c.req.tier for c in cands}:
+            self.metrics.batched_rows.labels(self.name, tier).inc(sum(c.req.tier == tier for c in cands))
+        for c, row in zip(cands, logits):
+            if c.state == "active" and not c.req.cancelled:
+                self._step(c, row)
+
+    # ---- ultrafast candidates decoding together (n > 1, or several ultrafast requests)
+
+    BATCH_PROBE = 16  # batched rounds between two rounds of the candidates speculating alone (re-measured)
+
+    def _batchable(self, ultra: list[Candidate]) -> list[Candidate]:
+        """The ultrafast candidates that may join a batched plain pass: prefilled, and with no drafter that reads
+        the target's features (a batched pass computes none)."""
+        if not self._batch or self.fixed_draft_k is not None:  # a fixed draft length: every pass drafts
+            return []
+        out = [c for c in ultra if c.prefilled and hasattr(c.gen, "plain_input")
+               and not getattr(getattr(c.gen, "stepper", None), "wants_hidden", True)]
+        return out if len(out) > 1 else []
+
+    def _batch_pays(self, group: list[Candidate]) -> bool:
+        """Whether one batched plain pass for the group yields more tokens per unit of time than the candidates'
+        own speculative passes do (their measured tokens per step-time), by the engine's measured r(k): m rows
+        in one pass cost r(m) steps. Every BATCH_PROBE batched rounds the candidates speculate alone once, so
+        that drafts that start paying (text that repeats) are seen."""
+        r = getattr(self.engine, "r_table", None)
+        if not r:
+            return False
+        self._batched_rounds += 1
+        if self._batched_rounds > self.BATCH_PROBE:
+            self._batched_rounds = 0
+            return False
+        m = len(group)
+        cost = r[min(m, len(r) - 1)] * max(1.0, m / (len(r) - 1))
+        return m / cost > 1.05 * sum(c.spec_rate for c in group) / m
 
     def _step(self, c: Candidate, logits=None) -> None:
         """Prefill c, or advance it one pass (its own, or its row of a batched pass)."""
@@ -423,6 +468,12 @@ class ModelWorker:
             if not c.prefilled:
                 c.prefilled = True  # siblings may copy its rows from now on
                 g.prefill()
+            elif logits is None and req.tier == "ultrafast" and hasattr(g, "stepper"):
+                stats = g.stepper.stats  # its own speculative pass: what it yields per step-time
+                emitted, cost = stats.emitted, stats.cost
+                g.advance()
+                if stats.cost > cost:
+                    c.spec_rate = 0.7 * c.spec_rate + 0.3 * (stats.emitted - emitted) / (stats.cost - cost)
             else:
                 g.advance(logits)
         except Exception as e:

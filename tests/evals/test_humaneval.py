@@ -1,0 +1,69 @@
+"""`ultrafast evals humaneval`: the program built from a model's answer, pass@k, every reference solution
+passing in the sandbox, and a small run end to end through a server started for it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ultrafast.evals.humaneval import load_problems, pass_at_k, program
+from ultrafast.evals.sandbox import Limits, Sandbox
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return load_problems()
+
+
+def test_164_problems_in_order(problems):
+    assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
+    assert load_problems(3) == problems[:3]
+
+
+def test_pass_at_k():
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert pass_at_k(10, 0, 1) == 0.0 and pass_at_k(10, 10, 1) == 1.0
+    assert pass_at_k(10, 1, 10) == 1.0 and pass_at_k(4, 1, 2) == pytest.approx(0.5)
+
+
+def test_answers_become_programs(problems):
+    p = problems[2]  # truncate_number(number: float) -> float
+    fenced = f"Here it is:\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\nDone."
+    code = program(p, fenced)
+    assert code.startswith("def truncate_number") and "Done." not in code and code.endswith("check(truncate_number)\n")
+    body = program(p, "    return number % 1.0\n")  # a continuation of the prompt
+    assert body.startswith(p["prompt"]) and "return number % 1.0" in body
+    unclosed = program(p, "```python\ndef truncate_number(number):\n    return number % 1.0\n")
+    assert "def truncate_number(number):" in unclosed
+
+
+def test_reference_solutions_pass_and_wrong_ones_fail(problems):
+    sandbox = Sandbox(Limits(seconds=10))
+    for p in problems[:12]:
+        assert sandbox.run(program(p, "```python\n" + p["prompt"] + p["canonical_solution"] + "```")).passed, p["task_id"]
+        assert sandbox.run(program(p, p["canonical_solution"])).passed, p["task_id"]
+        assert not sandbox.run(program(p, "    return None\n")).passed, p["task_id"]
+
+
+def test_a_small_run_through_the_server(tmp_path, smollm_path):
+    out, summary = tmp_path / "records.jsonl", tmp_path / "summary.json"
+    p = subprocess.run([sys.executable, "-m", "ultrafast.cli", "evals", "humaneval", "--model", str(smollm_path),
+                        "--limit", "2", "--n", "3", "--tier", "both", "--max-tokens", "48", "--exec-timeout", "5",
+                        "--out", str(out), "--json", str(summary)], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = json.loads(summary.read_text())
+    assert [(s["tier"], s["n"], s["problems"]) for s in runs] == [
+        ("standard", 3, 2), ("standard", 1, 2), ("ultrafast", 3, 2), ("ultrafast", 1, 2)]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 8 and all(len(r["statuses"]) == r["n"] for r in records)
+    assert all(r["completion_tokens"] > 0 and r["generation_s"] > 0 for r in records)
+    assert "| standard | 3 | 2 |" in p.stdout and "wall-clock of n = 1" in p.stdout
+
+
+def test_bad_n_is_an_error_line():
+    p = subprocess.run([sys.executable, "-m", "ultrafast.cli", "evals", "humaneval", "--n", "40", "--url",
+                        "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("error:") and "--n" in p.stderr

