@@ -102,3 +102,23 @@ def test_tiny_sampling_values_are_their_limits_not_nan():
     assert p.tolist() == [0.0, 0.5, 0.5]
     # ordinary temperatures are untouched by the limit's path
     assert torch.equal(probabilities(logits, SamplingParams(temperature=0.5)), torch.softmax(logits / 0.5, dim=-1))
+
+
+def test_nucleus_is_the_sorted_prefix_reaching_top_p():
+    """Top-p found among the top tokens (not a full sort of the vocabulary) keeps the smallest most-likely
+    prefix whose mass reaches top_p, as a full sort does; a tie at its edge keeps every token of that
+    probability."""
+    from ultrafast.sampler import nucleus
+
+    g = torch.Generator().manual_seed(0)
+    for scale in (0.5, 2.0, 6.0):
+        probs = torch.softmax(torch.randn(151_936, generator=g) * scale, dim=-1)
+        for top_p in (0.05, 0.5, 0.9, 0.95):
+            sorted_p, _ = torch.sort(probs, descending=True)
+            before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+            edge = sorted_p[int((before < top_p).sum()) - 1]  # the last token of the prefix
+            assert torch.equal(nucleus(probs, top_p), probs.masked_fill(probs < edge, 0.0)), (scale, top_p)
+    tie = torch.tensor([0.4, 0.2, 0.2, 0.1, 0.1])
+    assert (nucleus(tie, 0.5) > 0).tolist() == [True, True, True, False, False]  # both 0.2s: a tie at the edge
+    assert (nucleus(tie, 1e-9) > 0).tolist() == [True, False, False, False, False]  # always the top token
+    assert torch.equal(nucleus(tie, 1.0), tie)

@@ -146,14 +146,25 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if p.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        drop = (cum - sorted_p) >= p.top_p  # keep the smallest prefix whose mass reaches top_p
-        drop[0] = False  # and always the top token (a top_p below float32's range rounds to 0 here)
-        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+        probs = nucleus(probs, p.top_p)
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     return probs / probs.sum()
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p: keep the smallest set of most likely tokens whose mass reaches top_p (always the top token; a
+    tie at the set's edge keeps every token of that probability). The set is found among the top 64 tokens,
+    then 512, ... (a full sort of a 152k vocabulary took 17 ms a token, ten candidates 0.17 s a step)."""
+    n, k = probs.numel(), min(64, probs.numel())
+    while True:
+        top = torch.topk(probs, k).values  # descending
+        reached = torch.nonzero(torch.cumsum(top, dim=-1) >= top_p)
+        if len(reached) or k == n:
+            break
+        k = min(n, k * 8)
+    last = int(reached[0]) if len(reached) else k - 1  # the prefix 0..last reaches top_p (or all of it)
+    return probs.masked_fill(probs < top[last], 0.0)
 
 
 def sample_from(probs: torch.Tensor, u: float) -> int:

@@ -61,6 +61,8 @@ def test_a_small_run_through_the_server(tmp_path, smollm_path):
     assert len(records) == 8 and all(len(r["statuses"]) == r["n"] for r in records)
     assert all(r["completion_tokens"] > 0 and r["generation_s"] > 0 for r in records)
     assert "| standard | 3 | 2 |" in p.stdout and "wall-clock of n = 1" in p.stdout
+    png = summary.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def test_bad_n_is_an_error_line():

@@ -190,3 +190,38 @@ def _report(summaries: list[Summary], args) -> None:
               f"{a.generation_s / b.generation_s:.2f} (speedup {b.generation_s / a.generation_s:.2f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(s) for s in summaries], indent=2))
+        png = Path(args.json).with_suffix(".png")
+        plot(summaries, png)
+        print(f"summary: {args.json}; picture: {png}", file=sys.stderr)
+
+
+def plot(summaries: list[Summary], path: Path) -> None:
+    """Solved rate (best-of-n, and pass@1) against the generation wall-clock, a point per tier and n."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    colours = {"standard": "tab:blue", "ultrafast": "tab:orange"}
+    for s in summaries:
+        c = colours.get(s.tier, "tab:gray")
+        ax.scatter([s.generation_s], [100 * s.best_of_n], color=c, s=60, zorder=3)
+        ax.scatter([s.generation_s], [100 * s.pass_at_1], color=c, s=30, marker="x", zorder=3)
+        ax.annotate(f"n={s.n}", (s.generation_s, 100 * s.best_of_n), textcoords="offset points", fontsize=8,
+                    color=c, xytext=(-8, 8) if s.tier == "ultrafast" else (-8, -14))
+    for tier, c in colours.items():
+        ax.scatter([], [], color=c, s=60, label=tier)
+    ax.scatter([], [], color="gray", s=60, label="best-of-n solved")
+    ax.scatter([], [], color="gray", s=30, marker="x", label="pass@1")
+    n_problems = max(s.problems for s in summaries)
+    ax.set_xlabel("generation wall-clock (s)")
+    ax.set_ylabel("% of problems")
+    ax.set_title(f"HumanEval, {n_problems} problems: solved against wall-clock")
+    ax.set_xlim(0, 1.1 * max(s.generation_s for s in summaries))
+    ax.set_ylim(0, 110)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
