@@ -74,7 +74,8 @@ class Candidate:
     last_t: float | None = None
     result: Any = None  # GenerationResult
     finish_reason: str | None = None
-    spec_rate: float = 1.0  # ultrafast: tokens per target step-time of its own passes (EMA)
+    spec_rate: float = 1.0  # ultrafast: tokens per target step-time of its own passes (EMA) ...
+    spec_passes: int = 0  # ... over this many passes
 
     @property
     def logprobs(self) -> bool:
@@ -395,9 +396,16 @@ class ModelWorker:
         ultra = [c for c in self._active if c.req.tier == "ultrafast"]
         together = self._batchable([c for c in ultra if live(c)])
         if together and self._batch_pays(together):
+            # every BATCH_PROBE rounds one of them (in turn) speculates alone, so that drafts that start paying
+            # (text that repeats) are seen
+            self._batched_rounds += 1
+            probe = None
+            if self._batched_rounds % self.BATCH_PROBE == 0:
+                probe = together[(self._batched_rounds // self.BATCH_PROBE) % len(together)]
+            group = [c for c in together if c is not probe]
             for _ in range(self.ultrafast_weight):
-                self._batched_pass([c for c in together if live(c)])
-            ultra = [c for c in ultra if c not in together]
+                self._batched_pass([c for c in group if live(c)])
+            ultra = [c for c in ultra if c not in group]
         for c in ultra:
             for _ in range(self.ultrafast_weight):
                 if not live(c):
@@ -434,7 +442,7 @@ class ModelWorker:
 
     # ---- ultrafast candidates decoding together (n > 1, or several ultrafast requests)
 
-    BATCH_PROBE = 16  # batched rounds between two rounds of the candidates speculating alone (re-measured)
+    BATCH_PROBE = 8  # batched rounds between two probes (one candidate speculating alone, re-measured)
 
     def _batchable(self, ultra: list[Candidate]) -> list[Candidate]:
         """The ultrafast candidates that may join a batched plain pass: prefilled, and with no drafter that reads
@@ -447,19 +455,15 @@ class ModelWorker:
 
     def _batch_pays(self, group: list[Candidate]) -> bool:
         """Whether one batched plain pass for the group yields more tokens per unit of time than the candidates'
-        own speculative passes do (their measured tokens per step-time), by the engine's measured r(k): m rows
-        in one pass cost r(m) steps. Every BATCH_PROBE batched rounds the candidates speculate alone once, so
-        that drafts that start paying (text that repeats) are seen."""
+        own speculative passes do (the measured tokens per step-time of those that have speculated; 1.0, a
+        plain step's, before any has), by the engine's measured r(k): m rows in one pass cost r(m) steps."""
         r = getattr(self.engine, "r_table", None)
         if not r:
             return False
-        self._batched_rounds += 1
-        if self._batched_rounds > self.BATCH_PROBE:
-            self._batched_rounds = 0
-            return False
         m = len(group)
         cost = r[min(m, len(r) - 1)] * max(1.0, m / (len(r) - 1))
-        return m / cost > 1.05 * sum(c.spec_rate for c in group) / m
+        rates = [c.spec_rate for c in group if c.spec_passes]
+        return m / cost > 1.05 * (sum(rates) / len(rates) if rates else 1.0)
 
     def _step(self, c: Candidate, logits=None) -> None:
         """Prefill c, or advance it one pass (its own, or its row of a batched pass)."""
@@ -473,7 +477,9 @@ class ModelWorker:
                 emitted, cost = stats.emitted, stats.cost
                 g.advance()
                 if stats.cost > cost:
-                    c.spec_rate = 0.7 * c.spec_rate + 0.3 * (stats.emitted - emitted) / (stats.cost - cost)
+                    rate = (stats.emitted - emitted) / (stats.cost - cost)
+                    c.spec_rate = rate if not c.spec_passes else 0.7 * c.spec_rate + 0.3 * rate
+                    c.spec_passes += 1
             else:
                 g.advance(logits)
         except Exception as e:
