@@ -321,6 +321,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", default=None, help="also write the summary as JSON to this file")
     e.set_defaults(fn=lambda a: __import__("ultrafast.evals.humaneval", fromlist=["run"]).run(a))
 
+    e = evals.add_parser("suite", help="question sets run to completion in each tier through the server: "
+                                       "wall-clock per tier, tokens and spend")
+    e.add_argument("--model", default=DEFAULT_MODEL, help="served for the run (unless --url)")
+    e.add_argument("--url", default=None, help="a running server instead (e.g. http://127.0.0.1:8000)")
+    e.add_argument("--api-key", default=None)
+    e.add_argument("--sets", default="specbench,humaneval", help="specbench (480 first turns), humaneval (164)")
+    e.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default ../shared/data/spec_bench)")
+    e.add_argument("--tier", choices=["standard", "ultrafast", "both"], default="both")
+    e.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (agents run several)")
+    e.add_argument("--limit", type=int, default=None, help="the first K prompts of each set")
+    e.add_argument("--max-tokens", type=int, default=256)
+    e.add_argument("--max-context", type=int, default=4096)
+    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--out", default="suite-records.jsonl", help="one JSON line per request, appended")
+    e.add_argument("--json", default=None, help="also write the summary as JSON (and a PNG beside it)")
+    e.set_defaults(fn=lambda a: __import__("ultrafast.evals.suite", fromlist=["run"]).run(a))
+
     s = sub.add_parser("train-draft", help="train a draft head for a model on this machine (the ultrafast tier "
                                             "uses it when present)")
     s.add_argument("--model", default=DEFAULT_MODEL)

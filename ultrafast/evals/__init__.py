@@ -2,5 +2,6 @@
 
 - `humaneval.py`: best-of-N with execution (N candidates per problem in one request, run against the tests in
   `sandbox.py`, the first passing kept).
+- `suite.py`: question sets run to completion per tier (wall-clock, tokens, the ledger's spend).
 - `server_process.py`: the server an eval talks to (`--url`, or one started for the run).
 """

@@ -1,0 +1,34 @@
+"""`ultrafast evals suite`: both sets through a server started for the run, in both tiers, greedy: the same
+texts in both tiers, the spend read from the server's ledger (the ultrafast tier at its price), a picture."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_a_small_suite_in_both_tiers(tmp_path, smollm_path):
+    out, summary = tmp_path / "records.jsonl", tmp_path / "suite.json"
+    p = subprocess.run([sys.executable, "-m", "ultrafast.cli", "evals", "suite", "--model", str(smollm_path),
+                        "--limit", "3", "--concurrency", "2", "--max-tokens", "16", "--out", str(out),
+                        "--json", str(summary)], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = {(r["set"], r["tier"]): r for r in json.loads(summary.read_text())}
+    assert set(runs) == {(s, t) for s in ("specbench", "humaneval") for t in ("standard", "ultrafast")}
+    for s in ("specbench", "humaneval"):
+        std, fast = runs[s, "standard"], runs[s, "ultrafast"]
+        assert std["requests"] == fast["requests"] == 3 and std["completion_tokens"] == fast["completion_tokens"]
+        assert 0 < std["cost_usd"] < fast["cost_usd"]  # billed by the ledger, the ultrafast tier at its price
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    texts = {(r["set"], r["tier"], r["index"]): r["text"] for r in records}
+    assert len(records) == 12
+    assert all(texts[s, "standard", i] == texts[s, "ultrafast", i] for s in ("specbench", "humaneval") for i in range(3))
+    assert "standard / ultrafast wall-clock" in p.stdout
+    assert summary.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_unknown_set_is_an_error_line():
+    p = subprocess.run([sys.executable, "-m", "ultrafast.cli", "evals", "suite", "--sets", "mmlu", "--url",
+                        "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("error:") and "mmlu" in p.stderr
