@@ -10,9 +10,13 @@ import sys
 
 def test_a_small_suite_in_both_tiers(tmp_path, smollm_path):
     out, summary = tmp_path / "records.jsonl", tmp_path / "suite.json"
+    questions = tmp_path / "question.jsonl"  # Spec-Bench's format (a clean clone has no ../shared beside it)
+    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n" for i, (c, t) in
+                                 enumerate([("writing", "Write a haiku about rain."), ("qa", "Who wrote Hamlet?"),
+                                            ("math_reasoning", "What is 17 times 3?"), ("rag", "Unused.")])))
     p = subprocess.run([sys.executable, "-m", "ultrafast.cli", "evals", "suite", "--model", str(smollm_path),
-                        "--limit", "3", "--concurrency", "2", "--max-tokens", "16", "--out", str(out),
-                        "--json", str(summary)], capture_output=True, text=True, timeout=900)
+                        "--questions", str(questions), "--limit", "3", "--concurrency", "2", "--max-tokens", "16",
+                        "--out", str(out), "--json", str(summary)], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     runs = {(r["set"], r["tier"]): r for r in json.loads(summary.read_text())}
     assert set(runs) == {(s, t) for s in ("specbench", "humaneval") for t in ("standard", "ultrafast")}
