@@ -160,6 +160,24 @@ def test_streaming_equals_non_streaming(env):
     assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: its rows were reused
 
 
+def test_continuous_usage_stats(env):
+    """vLLM's stream option: every chunk carries the usage so far; the tokens counted grow by one per token."""
+    full = chat(env, max_tokens=16, service_tier="ultrafast")
+    stream = client(env).chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=16, temperature=0, stream=True, service_tier="ultrafast",
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
+    counts, text = [], ""
+    for chunk in stream:
+        assert chunk.usage is not None and chunk.usage.prompt_tokens == full.usage.prompt_tokens
+        counts.append(chunk.usage.completion_tokens)
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+    assert text == full.choices[0].message.content
+    assert counts[0] == 0 and counts == sorted(counts)
+    assert all(b - a <= 1 for a, b in zip(counts, counts[1:]))  # a chunk per token
+    assert counts[-1] == full.usage.completion_tokens
+
+
 def test_tiers_greedy_identical_and_priced(env):
     msgs = [{"role": "user", "content": "Write a Python function that returns the sum of a list."}]
     std = chat(env, messages=msgs, max_tokens=40)

@@ -20,7 +20,8 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -223,7 +224,14 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
     _install_error_handlers(app)
     _install_routes(app)
+    app.mount("/static", StaticFiles(directory=PAGE_DIR), name="static")
     return app
+
+
+# the race page: static files, no build step; its script talks to the API like any client
+PAGE_DIR = Path(__file__).parent / "static"
+_PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; style-src 'self'; script-src 'self'",
+                 "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
 
 def _error_response(request: Request | None, err: APIError, headers: dict | None = None) -> JSONResponse:
@@ -339,6 +347,11 @@ def openapi_document(app: FastAPI) -> dict:
 
 
 def _install_routes(app: FastAPI) -> None:
+    @app.get("/", include_in_schema=False)
+    async def race_page():
+        """The race page: a prompt streamed by both tiers side by side, and the server's own figures."""
+        return FileResponse(PAGE_DIR / "index.html", media_type="text/html", headers=_PAGE_HEADERS)
+
     @app.get("/health")
     async def health(request: Request):
         """Liveness for load balancers: no key, ever."""
@@ -621,7 +634,9 @@ async def _run(request: Request, srv: Server, worker, who: Principal, tier: str,
         srv.limiter.refund(who, reservation)
         raise
     if output is None:
-        fmt = _Formatter(srv, worker, req, endpoint == "chat.completions", top_logprobs, plan)
+        so = body.stream_options
+        fmt = _Formatter(srv, worker, req, endpoint == "chat.completions", top_logprobs, plan,
+                         continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats))
     else:
         fmt = output(req, plan)
     if body.stream:
@@ -732,8 +747,11 @@ async def _stream(worker, req, q: asyncio.Queue, fmt: "_Formatter", include_usag
 class _Formatter:
     """Builds OpenAI-shaped responses and chunks from the worker's messages."""
 
-    def __init__(self, srv: Server, worker, req, chat: bool, top_logprobs: int | None, plan: OutputPlan):
+    def __init__(self, srv: Server, worker, req, chat: bool, top_logprobs: int | None, plan: OutputPlan,
+                 continuous_usage: bool = False):
         self.srv, self.worker, self.req, self.chat, self.top = srv, worker, req, chat, top_logprobs
+        self.continuous_usage = continuous_usage  # every chunk carries the usage so far (vLLM's option)
+        self.emitted = 0  # tokens delivered so far, all candidates
         # streaming with tools: per choice, the parser that splits its output into content and tool calls
         self.plan = plan
         self.parsers = {c.index: plan.call_parser() for c in req.candidates} if plan.parse_tools else None
@@ -754,6 +772,7 @@ class _Formatter:
     def absorb(self, msg) -> None:
         if msg[0] == "delta":
             _, index, text, records = msg
+            self.emitted += 1  # one delta per token
             self.texts[index].append(text)
             if records:
                 self.records[index].extend(records)
@@ -795,8 +814,12 @@ class _Formatter:
              "created": self.req.created, "model": self.req.model, "choices": choices,
              "service_tier": self.req.tier, "system_fingerprint": FINGERPRINT}
         if include_usage:
-            c["usage"] = None
+            c["usage"] = self.running_usage() if self.continuous_usage else None
         return c
+
+    def running_usage(self) -> dict:
+        prompt = sum(len(p) for p in self.req.prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": self.emitted, "total_tokens": prompt + self.emitted}
 
     def delta_choice(self, index: int, text: str, records, finish: str | None = None) -> dict:
         if self.chat:

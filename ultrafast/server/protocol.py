@@ -28,6 +28,8 @@ class _Request(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = Field(
+        False, description="as vLLM's: with include_usage, every chunk carries the usage so far")
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
