@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-k", type=int, default=16, help="largest k for r(k)")
     s.add_argument("--activation-bits", type=int, choices=[16, 8], default=16, help=ACT_BITS_HELP)
     s.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if installed")
-    s.add_argument("--json", help="also write the figures as JSON to this file ('-': stdout)")
+    s.add_argument("--json", help="also write the figures as JSON to this file ('-': stdout), and a picture beside "
+                                  "it (.png)")
     s.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("specbench", help="Spec-Bench in both tiers: speedup, tau, exactness")
@@ -271,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-context", type=int, default=4096)
     s.add_argument("--activation-bits", type=int, choices=[16, 8], default=16, help=ACT_BITS_HELP)
     s.add_argument("--no-llama-cpp", action="store_true")
-    s.add_argument("--json", help="also write the table as JSON to this file")
+    s.add_argument("--json", help="also write the table as JSON to this file, and a picture beside it (.png)")
     s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.spec_bench", fromlist=["main"]).main(a))
 
     s = sub.add_parser("agentbench", help="an agent loop editing one file: what prompt lookup and suffix decoding earn")
@@ -285,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--max-context", type=int, default=4096)
     s.add_argument("--activation-bits", type=int, choices=[16, 8], default=16, help=ACT_BITS_HELP)
+    s.add_argument("--json", help="also write the figures as JSON to this file, and a picture beside it (.png)")
     s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.agent_loop", fromlist=["main"]).main(a))
 
     s = sub.add_parser("jsonbench", help="structured output over 50 JSON schemas in both tiers: validity, exactness, "
@@ -296,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=512)
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--max-context", type=int, default=2048)
+    s.add_argument("--json", help="also write the figures as JSON to this file, and a picture beside it (.png)")
     s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.json_output", fromlist=["main"]).main(a))
 
     s = sub.add_parser("evals", help="whole jobs through the server, per tier: best-of-N with execution")

@@ -46,3 +46,20 @@ def test_measure_r(smollm_engine):
     assert len(r) == 5 and r[1] == 1.0 and all(x > 0 for x in r[1:])
     with pytest.raises(ValueError, match="probe tokens"):
         measure_r(smollm_engine, max_k=3, reps=1, probe=[5, 6])
+
+
+def test_bench_picture(smollm_path, tmp_path):
+    """`bench --json F` writes F and the picture beside it: r(k) against the physical r(k), decode tok/s."""
+    import json
+
+    from ultrafast import report
+    from ultrafast.benchmarks.decode import plot
+
+    r = run_bench(str(smollm_path), prompt_len=16, gen=8, max_k=3, reps=1, llama_cpp=False, progress=None)
+    png = report.write(str(tmp_path / "bench.json"), r, lambda p: plot(r, p))
+    assert png == tmp_path / "bench.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    back = json.loads((tmp_path / "bench.json").read_text())
+    assert back["ultrafast"]["decode_tokens_per_s"] == pytest.approx(r["ultrafast"]["decode_tokens_per_s"])
+    assert set(back["ultrafast"]["r_k"]) == {"1", "2", "3"}
+    plot(back, tmp_path / "again.png")  # the JSON's string keys draw the same picture
+    assert (tmp_path / "again.png").stat().st_size > 10_000

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 
+from .. import report
+from ..report import Progress
 from ..sampler import SamplingParams
 from . import ceiling_line, drafters_line, sum_drafters
 
@@ -63,6 +65,7 @@ def extract_file(text: str, previous: str) -> str:
 
 def run_agent_loop(engine, *, iterations: int, max_tokens: int, tier: str, drafters=None, progress=sys.stderr):
     current, rows = START_FILE, []
+    bar = Progress(iterations, f"agent loop, {tier}", "edit", file=progress)
     for i in range(iterations):
         task = TASKS[i % len(TASKS)]
         messages = [{"role": "system", "content": SYSTEM},
@@ -72,9 +75,10 @@ def run_agent_loop(engine, *, iterations: int, max_tokens: int, tier: str, draft
         res = engine.generate(ids, SamplingParams(max_tokens=max_tokens), tier=tier, drafters=drafters)
         rows.append(res)
         current = extract_file(res.text, current)
-        if progress:
-            print(f"  {tier} iteration {i + 1}: {len(res.token_ids)} tokens, {res.decode_tokens_per_s:.1f} tok/s, "
-                  f"tau {res.spec.get('tau', 1):.2f}", file=progress, flush=True)
+        bar.note(f"  {tier} iteration {i + 1}: {len(res.token_ids)} tokens, {res.decode_tokens_per_s:.1f} tok/s, "
+                 f"tau {res.spec.get('tau', 1):.2f}")
+        bar.update(1)
+    bar.close()
     return rows
 
 
@@ -107,4 +111,29 @@ def main(args) -> int:
           f"identical outputs: {'yes' if exact else 'NO'}")
     print(drafters_line(sum_drafters([b.spec for b in fast])))
     print(ceiling_line(engine.r_table))
+    figures = {"model": engine.loaded.path.name, "iterations": [
+        {"tokens": len(a.token_ids), "standard_tok_s": a.decode_tokens_per_s, "ultrafast_tok_s": b.decode_tokens_per_s,
+         "tau": b.spec["tau"], "identical": a.token_ids == b.token_ids} for a, b in zip(std, fast)],
+        "standard_tok_s": n / ts, "ultrafast_tok_s": n / tf, "speedup": ts / tf, "identical": exact}
+    report.write(args.json, figures, lambda png: plot(figures, png))
     return 0 if exact else 1
+
+
+def plot(figures: dict, path) -> None:
+    """Decode tokens/s per edit of the file, a line per tier, tau over the ultrafast points."""
+    its = figures["iterations"]
+    xs = range(1, len(its) + 1)
+    with report.figure(path) as (fig, ax):
+        for tier in ("standard", "ultrafast"):
+            ax.plot(xs, [r[f"{tier}_tok_s"] for r in its], "o-", label=f"{tier} ({figures[f'{tier}_tok_s']:.1f} "
+                    "tok/s overall)", color=report.TIER_COLOURS[tier])
+        for x, r in zip(xs, its):
+            ax.annotate(f"tau {r['tau']:.1f}", (x, r["ultrafast_tok_s"]), fontsize=7, textcoords="offset points",
+                        xytext=(-10, 6))
+        ax.set_xlabel("edit (the whole file re-sent and returned each time)")
+        ax.set_ylabel("decode tokens/s (batch 1)")
+        ax.set_title(f"Agent loop on {figures['model']}: {figures['speedup']:.2f}x", fontsize=10)
+        ax.set_ylim(0, None)
+        ax.margins(y=0.15)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)

@@ -13,13 +13,15 @@ ratios are printed.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from .. import report
+from ..report import Progress
 
 # Fixed prompt material (code, as the coder models see it), cut or repeated to the requested length.
 PROMPT_TEXT = '''import heapq
@@ -154,25 +156,38 @@ def bench_llama_cpp(path, ids: list[int], gen: int, threads: int, max_k: int, re
 
 
 def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int = 2, max_k: int = 16,
-              reps: int = 5, llama_cpp: bool = True, max_context: int | None = None, activation_bits: int = 16) -> dict:
+              reps: int = 5, llama_cpp: bool = True, max_context: int | None = None, activation_bits: int = 16,
+              progress=sys.stderr) -> dict:
     from .. import kernels
     from ..engine import Engine
     from ..pull import resolve_model
 
     torch.set_num_threads(threads)
     path = resolve_model(model)
+    bar = Progress(5 if llama_cpp else 4, "bench", "phase", file=progress)
+    bar.note(f"loading {path.name}")
     engine = Engine.from_path(path, max_context=max_context or max(prompt_len + gen + max_k + 8, 1024),
                               activation_bits=activation_bits)
     info = engine.describe()
+    bar.update(1)
+    bar.note("read bandwidth, 1 and all threads")
     bw1 = measure_read_bandwidth(1)
     bwn = measure_read_bandwidth(threads)
     macs = engine.model.macs_per_token()
     macs_prefill = engine.model.macs_per_token(head=False)
+    bar.update(1)
+    bar.note("the multiply peak")
     peak = kernels.multiply_peak(threads) if "vnni" in info["kernels"] else None
+    bar.update(1)
     ids = prompt_tokens(engine.tokenizer, prompt_len)
+    bar.note(f"ours: prefill {prompt_len}, decode {gen}, r(k) for k = 1..{max_k}")
     ours = bench_ours(engine, ids, gen, max_k, reps)
+    bar.update(1)
     del engine
+    if llama_cpp:
+        bar.note("llama.cpp: the same")
     theirs = bench_llama_cpp(path, ids, gen, threads, max_k, reps) if llama_cpp else None
+    bar.close()
     bpt = info["weight_bytes_per_token"]
     roofline = bwn * 1e9 / bpt
     multiply = None
@@ -267,10 +282,39 @@ def main(args) -> int:
     r = run_bench(args.model, prompt_len=args.prompt_tokens, gen=args.gen_tokens, threads=args.threads,
                   max_k=args.max_k, llama_cpp=not args.no_llama_cpp, activation_bits=args.activation_bits)
     print(format_table(r))
-    if args.json == "-":
-        print(json.dumps(r, indent=2))
-    elif args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
-        print(f"\nJSON written to {args.json}", file=sys.stderr)
+    report.write(args.json, r, lambda png: plot(r, png))
     return 0
+
+
+def plot(r: dict, path) -> None:
+    """Left: r(k), ours against the physical r(k) (and the kernels' arithmetic, and llama.cpp's). Right: decode
+    tokens/s, ours and llama.cpp's, under the memory roofline."""
+    us, lc, mp = r["ultrafast"], r["llama_cpp"], r.get("multiply_peak")
+    ks = sorted(us["r_k"], key=int)
+    with report.figure(path, ncols=2, size=(10.0, 4.2)) as (fig, (ax, bx)):
+        ax.plot([int(k) for k in ks], [us["r_k"][k] for k in ks], "o-", label="ours (measured)",
+                color=report.TIER_COLOURS["ultrafast"])
+        if mp:
+            ax.plot([int(k) for k in ks], [mp["physical_r_k"][k] for k in ks], "--", color="black",
+                    label="physical: max(weights once, k rows at the multiply peak)")
+            ax.plot([int(k) for k in ks], [mp["arithmetic_r_k"][k] for k in ks], ":", color="tab:green",
+                    label="the kernels' arithmetic at full rate")
+        if lc:
+            ax.plot([int(k) for k in ks], [lc["r_k"][k] for k in ks], "s-", color=report.TIER_COLOURS["llama.cpp"],
+                    label="llama.cpp (measured)", markersize=4)
+        ax.set_xlabel("k (rows in one forward)")
+        ax.set_ylabel("r(k) = time(k rows) / time(1 row)")
+        ax.set_title(f"Verifying k tokens at once: {r['model']}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        names = ["ours"] + (["llama.cpp"] if lc else [])
+        vals = [us["decode_tokens_per_s"]] + ([lc["decode_tokens_per_s"]] if lc else [])
+        bx.bar(names, vals, color=[report.TIER_COLOURS["ultrafast"]] + ([report.TIER_COLOURS["llama.cpp"]] if lc else []))
+        bx.axhline(r["roofline_tokens_per_s"], color="black", linestyle="--",
+                   label=f"memory roofline {r['roofline_tokens_per_s']:.0f} tok/s")
+        for i, v in enumerate(vals):
+            bx.annotate(f"{v:.1f}", (i, v), ha="center", va="bottom", fontsize=8)
+        bx.set_ylabel("batch-1 decode tokens/s")
+        bx.set_title(f"Plain decode (standard tier), {r['threads']} threads", fontsize=9)
+        bx.legend(fontsize=7)
+        bx.grid(axis="y", alpha=0.3)

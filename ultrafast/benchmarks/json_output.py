@@ -11,6 +11,8 @@ import sys
 import time
 
 from ..grammar import Grammar
+from .. import report
+from ..report import Progress
 from ..sampler import SamplingParams
 from . import drafters_line, sum_drafters
 
@@ -66,14 +68,15 @@ def schemas(n: int = 50) -> list[tuple[str, dict]]:
 
 def run(engine, pairs, *, tier: str, max_tokens: int, drafters=None, progress=sys.stderr):
     rows = []
+    bar = Progress(len(pairs), f"JSON schemas, {tier}", "schema", file=progress)
     for i, (prompt, schema) in enumerate(pairs):
         ids = engine.chat_prompt([{"role": "user", "content": prompt}])
         res = engine.generate(ids, SamplingParams(max_tokens=max_tokens, grammar=Grammar.json_schema(schema)),
                               tier=tier, drafters=drafters)
         rows.append(res)
-        if progress:
-            print(f"  {tier} {i + 1}/{len(pairs)}: {len(res.token_ids)} tokens, {res.decode_tokens_per_s:.1f} tok/s",
-                  file=progress, flush=True)
+        bar.note(f"  {tier} {i + 1}/{len(pairs)}: {len(res.token_ids)} tokens, {res.decode_tokens_per_s:.1f} tok/s")
+        bar.update(1)
+    bar.close()
     return rows
 
 
@@ -130,4 +133,28 @@ def main(args) -> int:
           f"{masks / max(tokens, 1):.2f} masks per token, {1000 * mask_s / max(tokens, 1):.3f} ms per token "
           f"= {100 * mask_s / max(tokens, 1) / (step_ms / 1000):.1f}% of a {step_ms:.1f} ms token")
     print(drafters_line(sum_drafters([b.spec for b in fast])))
+    figures = {"model": engine.loaded.path.name, "schemas": [
+        {"tokens": len(a.token_ids), "standard_tok_s": a.decode_tokens_per_s, "ultrafast_tok_s": b.decode_tokens_per_s,
+         "tau": b.spec["tau"], "identical": a.token_ids == b.token_ids} for a, b in zip(std, fast)],
+        "standard_tok_s": n / ts, "ultrafast_tok_s": n / tf, "speedup": ts / tf, "valid": valid,
+        "identical": same_all, "mask_ms_per_token": 1000 * mask_s / max(tokens, 1)}
+    report.write(args.json, figures, lambda png: plot(figures, png))
     return 0 if valid == len(pairs) and same_all == len(pairs) else 1
+
+
+def plot(figures: dict, path) -> None:
+    """Per schema: ultrafast's decode tokens/s against standard's, a point each, the diagonal for equal speed."""
+    rows = figures["schemas"]
+    with report.figure(path, size=(5.6, 5.0)) as (fig, ax):
+        xs, ys = [r["standard_tok_s"] for r in rows], [r["ultrafast_tok_s"] for r in rows]
+        ax.scatter(xs, ys, c=[r["tau"] for r in rows], cmap="viridis", s=24)
+        top = 1.1 * max(xs + ys)
+        ax.plot([0, top], [0, top], "--", color="gray", label="equal speed")
+        ax.set_xlim(0, top)
+        ax.set_ylim(0, top)
+        ax.set_xlabel("standard decode tokens/s")
+        ax.set_ylabel("ultrafast decode tokens/s (colour: tau)")
+        ax.set_title(f"JSON schemas on {figures['model']}: {len(rows)} schemas, {figures['speedup']:.2f}x overall",
+                     fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)

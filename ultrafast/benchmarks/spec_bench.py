@@ -14,6 +14,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from .. import report
+from ..report import Progress
 from ..sampler import SamplingParams
 from . import ceiling_line, drafters_line, sum_drafters
 
@@ -74,6 +76,7 @@ def run_spec_bench(engine, questions, *, max_tokens: int = 128, drafters=None, l
     rows = defaultdict(lambda: defaultdict(float))
     specs = []  # the ultrafast runs' reports
     mismatches, prompts = [], []
+    bar = Progress(len(questions), "Spec-Bench, both tiers", "question", file=progress)
     for i, (cat, text) in enumerate(questions):
         ids = engine.chat_prompt([{"role": "user", "content": text}])
         params = SamplingParams(max_tokens=max_tokens)
@@ -94,18 +97,21 @@ def run_spec_bench(engine, questions, *, max_tokens: int = 128, drafters=None, l
         r["rk"] += fast.spec.get("mean_r", 1.0) * fast.spec["verify_passes"]
         specs.append(fast.spec)
         prompts.append((cat, ids))
-        if progress:
-            print(f"[{i + 1}/{len(questions)}] {cat}: standard {std.decode_tokens_per_s:.1f} tok/s, ultrafast "
-                  f"{fast.decode_tokens_per_s:.1f} tok/s, tau {fast.spec['tau']:.2f}"
-                  + ("" if std.token_ids == fast.token_ids else "  MISMATCH"), file=progress, flush=True)
+        bar.note(f"[{i + 1}/{len(questions)}] {cat}: standard {std.decode_tokens_per_s:.1f} tok/s, ultrafast "
+                 f"{fast.decode_tokens_per_s:.1f} tok/s, tau {fast.spec['tau']:.2f}"
+                 + ("" if std.token_ids == fast.token_ids else "  MISMATCH"))
+        bar.update(1, tau=f"{fast.spec['tau']:.2f}")
+    bar.close()
     runner = llama() if llama is not None else None
-    for i, (cat, ids) in enumerate(prompts if runner else []):
-        (_, lc_plain), (_, lc_pld) = runner(ids, max_tokens)
-        rows[cat]["lc_plain"] += lc_plain
-        rows[cat]["lc_pld"] += lc_pld
-        if progress:
-            print(f"[{i + 1}/{len(prompts)}] llama.cpp {cat}: plain {lc_plain:.1f} tok/s, prompt lookup {lc_pld:.1f}",
-                  file=progress, flush=True)
+    if runner:
+        with Progress(len(prompts), "llama.cpp", "question", file=progress) as bar:
+            for i, (cat, ids) in enumerate(prompts):
+                (_, lc_plain), (_, lc_pld) = runner(ids, max_tokens)
+                rows[cat]["lc_plain"] += lc_plain
+                rows[cat]["lc_pld"] += lc_pld
+                bar.note(f"[{i + 1}/{len(prompts)}] llama.cpp {cat}: plain {lc_plain:.1f} tok/s, prompt lookup "
+                         f"{lc_pld:.1f}")
+                bar.update(1)
     llama = runner
     table = {}
     for cat in CATEGORIES + sorted(set(rows) - set(CATEGORIES)):
@@ -171,6 +177,29 @@ def main(args) -> int:
         print(f"draft head {head.meta['path']}: {head.nbytes_per_token() / 1e6:.1f} MB of weights per draft token, "
               f"{engine.head_cost:.3f} of a target step per draft token (measured)" if engine.head_cost is not None
               else f"draft head {head.meta['path']}: not used by these drafters")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"table": table, "summary": summary}, indent=2))
+    report.write(args.json, {"title": title, "table": table, "summary": summary},
+                 lambda png: plot(table, f"Spec-Bench on {path.name}: {len(questions)} first turns, greedy", png))
     return 0 if summary["exact"] else 1
+
+
+def plot(table: dict, title: str, path: Path) -> None:
+    """Decode tokens/s per category, a bar per tier (and llama.cpp's where it ran), tau over each category."""
+    cats = list(table)
+    series = [("standard", "standard_tok_s"), ("ultrafast", "ultrafast_tok_s")]
+    if any(v.get("llama_cpp_tok_s") for v in table.values()):
+        series.append(("llama.cpp", "llama_cpp_tok_s"))
+    width = 0.8 / len(series)
+    with report.figure(path, size=(8.0, 4.4)) as (fig, ax):
+        for j, (name, key) in enumerate(series):
+            xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(cats))]
+            ax.bar(xs, [table[c][key] or 0 for c in cats], width, label=name, color=report.TIER_COLOURS[name])
+        for i, c in enumerate(cats):
+            top = max(table[c][key] or 0 for _, key in series)
+            ax.annotate(f"{table[c]['speedup']:.2f}x\ntau {table[c]['tau']:.2f}", (i, top), ha="center",
+                        va="bottom", fontsize=7, textcoords="offset points", xytext=(0, 2))
+        ax.set_xticks(range(len(cats)), [c.replace("_", "\n") for c in cats], fontsize=8)
+        ax.set_ylabel("decode tokens/s (batch 1)")
+        ax.set_title(title, fontsize=10)
+        ax.margins(y=0.15)
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)

@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import report
+from ..report import Progress
 from .sandbox import Limits, Sandbox
 
 INSTRUCTION = ("Complete the following Python function. Answer with the whole function in one ```python code block "
@@ -124,11 +126,9 @@ def solve(client, model: str, problem: dict, tier: str, n: int, sandbox: Sandbox
 
 def run(args) -> int:
     import openai
-    from tqdm import tqdm
-
-    from .server_process import served
 
     from ..server.protocol import MAX_N
+    from .server_process import served
 
     if not 1 <= args.n <= MAX_N:
         raise ValueError(f"--n must be in 1..{MAX_N} (candidates in one request), got {args.n}")
@@ -148,15 +148,15 @@ def run(args) -> int:
         try:
             for tier, n in runs:
                 results = []
-                bar = tqdm(problems, desc=f"{tier} n={n}", unit="problem", file=sys.stderr, dynamic_ncols=True)
+                bar = Progress(len(problems), f"{tier} n={n}", "problem")
                 try:
-                    for i, problem in enumerate(bar):
+                    for i, problem in enumerate(problems):
                         res = solve(client, model, problem, tier, n, sandbox, temperature=args.temperature,
                                     top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed + 1000 * i)
                         results.append(res)
                         records.write(json.dumps(asdict(res)) + "\n")
                         records.flush()
-                        bar.set_postfix(solved=f"{sum(r.passed > 0 for r in results)}/{len(results)}")
+                        bar.update(1, solved=f"{sum(r.passed > 0 for r in results)}/{len(results)}")
                 finally:
                     bar.close()
                     if results:
@@ -188,40 +188,28 @@ def _report(summaries: list[Summary], args) -> None:
     if a and b and a.problems == b.problems:
         print(f"n = {args.n}: the ultrafast tier's wall-clock / the standard tier's = "
               f"{a.generation_s / b.generation_s:.2f} (speedup {b.generation_s / a.generation_s:.2f}x)")
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(s) for s in summaries], indent=2))
-        png = Path(args.json).with_suffix(".png")
-        plot(summaries, png)
-        print(f"summary: {args.json}; picture: {png}", file=sys.stderr)
+    report.write(args.json, [asdict(x) for x in summaries], lambda png: plot(summaries, png))
 
 
 def plot(summaries: list[Summary], path: Path) -> None:
     """Solved rate (best-of-n, and pass@1) against the generation wall-clock, a point per tier and n."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    colours = {"standard": "tab:blue", "ultrafast": "tab:orange"}
-    for s in summaries:
-        c = colours.get(s.tier, "tab:gray")
-        ax.scatter([s.generation_s], [100 * s.best_of_n], color=c, s=60, zorder=3)
-        ax.scatter([s.generation_s], [100 * s.pass_at_1], color=c, s=30, marker="x", zorder=3)
-        ax.annotate(f"n={s.n}", (s.generation_s, 100 * s.best_of_n), textcoords="offset points", fontsize=8,
-                    color=c, xytext=(-8, 8) if s.tier == "ultrafast" else (-8, -14))
-    for tier, c in colours.items():
-        ax.scatter([], [], color=c, s=60, label=tier)
-    ax.scatter([], [], color="gray", s=60, label="best-of-n solved")
-    ax.scatter([], [], color="gray", s=30, marker="x", label="pass@1")
-    n_problems = max(s.problems for s in summaries)
-    ax.set_xlabel("generation wall-clock (s)")
-    ax.set_ylabel("% of problems")
-    ax.set_title(f"HumanEval, {n_problems} problems: solved against wall-clock")
-    ax.set_xlim(0, 1.1 * max(s.generation_s for s in summaries))
-    ax.set_ylim(0, 110)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    colours = report.TIER_COLOURS
+    with report.figure(path) as (fig, ax):
+        for s in summaries:
+            c = colours.get(s.tier, "tab:gray")
+            ax.scatter([s.generation_s], [100 * s.best_of_n], color=c, s=60, zorder=3)
+            ax.scatter([s.generation_s], [100 * s.pass_at_1], color=c, s=30, marker="x", zorder=3)
+            ax.annotate(f"n={s.n}", (s.generation_s, 100 * s.best_of_n), textcoords="offset points", fontsize=8,
+                        color=c, xytext=(-8, 8) if s.tier == "ultrafast" else (-8, -14))
+        for tier in ("standard", "ultrafast"):
+            ax.scatter([], [], color=colours[tier], s=60, label=tier)
+        ax.scatter([], [], color="gray", s=60, label="best-of-n solved")
+        ax.scatter([], [], color="gray", s=30, marker="x", label="pass@1")
+        n_problems = max(s.problems for s in summaries)
+        ax.set_xlabel("generation wall-clock (s)")
+        ax.set_ylabel("% of problems")
+        ax.set_title(f"HumanEval, {n_problems} problems: solved against wall-clock")
+        ax.set_xlim(0, 1.1 * max(s.generation_s for s in summaries))
+        ax.set_ylim(0, 110)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)

@@ -156,7 +156,6 @@ class Sandbox:
             os.setuid(NOBODY)
 
     def run(self, program: str) -> Outcome:
-        lim = self.limits
         scratch = tempfile.mkdtemp(prefix="ultrafast-sandbox-")
         t0 = time.monotonic()
         try:

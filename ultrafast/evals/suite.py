@@ -15,6 +15,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .. import report
+
 SETS = ("specbench", "humaneval")
 
 
@@ -83,7 +85,6 @@ async def _run(base_url: str, api_key: str, model: str, name: str, msgs: list, t
 
 def run(args) -> int:
     import httpx
-    from tqdm import tqdm
 
     from .server_process import served
 
@@ -105,8 +106,7 @@ def run(args) -> int:
             for name, msgs in work.items():
                 for tier in tiers:
                     before = _spend(http, tier)
-                    with tqdm(total=len(msgs), desc=f"{name} {tier}", unit="req", file=sys.stderr,
-                              dynamic_ncols=True) as bar:
+                    with report.Progress(len(msgs), f"{name} {tier}", "req") as bar:
                         wall, usages = asyncio.run(_run(base_url, key, model, name, msgs, tier, args.concurrency,
                                                         args.max_tokens, records, bar))
                     runs.append(TierRun(name, tier, len(usages), wall, sum(u[0] for u in usages),
@@ -134,33 +134,21 @@ def _report(runs: list[TierRun], args) -> None:
         if a and b and a.requests == b.requests:
             print(f"{s}: standard / ultrafast wall-clock = {a.wall_clock_s / b.wall_clock_s:.2f}x at concurrency "
                   f"{args.concurrency}; the ultrafast run cost {b.cost_usd / a.cost_usd if a.cost_usd else 0:.1f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in runs], indent=2))
-        png = Path(args.json).with_suffix(".png")
-        plot(runs, png)
-        print(f"summary: {args.json}; picture: {png}", file=sys.stderr)
+    report.write(args.json, [asdict(x) for x in runs], lambda png: plot(runs, png))
 
 
 def plot(runs: list[TierRun], path: Path) -> None:
     """Wall-clock per set, a bar per tier."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sets = list(dict.fromkeys(r.set for r in runs))
-    colours = {"standard": "tab:blue", "ultrafast": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     width = 0.38
-    for j, tier in enumerate(("standard", "ultrafast")):
-        xs = [i + (j - 0.5) * width for i, s in enumerate(sets) if any(r.set == s and r.tier == tier for r in runs)]
-        ys = [r.wall_clock_s for s in sets for r in runs if r.set == s and r.tier == tier]
-        ax.bar(xs, ys, width, label=tier, color=colours[tier])
-    ax.set_xticks(range(len(sets)), [f"{s} ({max(r.requests for r in runs if r.set == s)})" for s in sets])
-    ax.set_ylabel("wall-clock (s)")
-    ax.set_title("A suite run to completion, per tier")
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with report.figure(path, size=(6.4, 4.0)) as (fig, ax):
+        for j, tier in enumerate(("standard", "ultrafast")):
+            xs = [i + (j - 0.5) * width for i, s in enumerate(sets)
+                  if any(r.set == s and r.tier == tier for r in runs)]
+            ys = [r.wall_clock_s for s in sets for r in runs if r.set == s and r.tier == tier]
+            ax.bar(xs, ys, width, label=tier, color=report.TIER_COLOURS[tier])
+        ax.set_xticks(range(len(sets)), [f"{s} ({max(r.requests for r in runs if r.set == s)})" for s in sets])
+        ax.set_ylabel("wall-clock (s)")
+        ax.set_title("A suite run to completion, per tier")
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)

@@ -18,6 +18,8 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from ..report import Progress
+
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
     "Explain what a hash map is in two sentences.",
@@ -236,6 +238,20 @@ class LoadTest:
         return {"tier": tier, "requests": requests, "completion_tokens": tokens, "seconds": round(elapsed, 2),
                 "tokens_per_s": round(tokens / elapsed, 2) if elapsed > 0 else None}
 
+    async def _clock(self, t0: float, deadline: float, figures) -> None:
+        """A progress bar over the run's seconds (with the ETA), its postfix `figures()`, until cancelled."""
+        total = max(1, round(deadline - t0))
+        with Progress(total, "load", "s") as bar:
+            done = 0
+            try:
+                while done < total:
+                    await asyncio.sleep(1.0)
+                    now = min(total, int(time.monotonic() - t0))
+                    bar.update(now - done, **figures())
+                    done = now
+            except asyncio.CancelledError:
+                pass
+
     async def _probe(self, http) -> dict:
         body = {"model": self.model, "messages": [{"role": "user", "content": PROBE_PROMPT}],
                 "max_tokens": self.probe_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
@@ -264,12 +280,15 @@ class LoadTest:
             deadline = t0 + self.seconds
             tasks = [asyncio.create_task(self._client(http, i, tiers[i], deadline, stats))
                      for i in range(self.clients)]
+            clock = asyncio.create_task(self._clock(t0, deadline, lambda: {"done": stats.completed,
+                                                                           "tokens": stats.tokens}))
             probe_load = None
             if self.probe_tokens > 0:
                 await asyncio.sleep(min(self.seconds * 0.25, 5.0))  # let the load build up
                 probe_load = await self._probe(http)
             await asyncio.gather(*tasks)
             elapsed = time.monotonic() - t0
+            clock.cancel()
             rss_end = await self._rss(http)
         ratio = None
         if probe_alone and probe_load and probe_alone.get("tokens_per_s") and probe_load.get("tokens_per_s"):

@@ -154,8 +154,11 @@ class Soak(LoadTest):
             deadline = t0 + self.seconds
             rss: list = []
             sampler = asyncio.create_task(self._sample_rss(http, t0, deadline, rss))
+            clock = asyncio.create_task(self._clock(t0, deadline, lambda: {"done": sum(st["completed"].values()),
+                                                                           "errors": sum(st["errors"].values())}))
             await asyncio.gather(*[self._soak_client(http, i, tiers[i], deadline, st) for i in range(self.clients)])
             await sampler
+            clock.cancel()
             elapsed = time.monotonic() - t0
             # requests cut at the deadline close (cancelled) as the server notices: wait for both totals to agree
             settle_until = time.monotonic() + 30
