@@ -301,6 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="also write the figures as JSON to this file, and a picture beside it (.png)")
     s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.json_output", fromlist=["main"]).main(a))
 
+    s = sub.add_parser("roofline", help="batch-1 decode bounds by hardware: this CPU (measured), N of them with "
+                                        "tensor parallelism, H100/H200, a wafer-scale engine; with the ultrafast tier")
+    s.add_argument("--model", default=DEFAULT_MODEL, help="a model file whose bytes per token head the table "
+                                                          "(beside reference sizes)")
+    s.add_argument("--machines", default="1,2,4,8", help="machine counts for this CPU with tensor parallelism")
+    s.add_argument("--tau", type=float, default=1.5, help="the ultrafast tier's tokens per pass to apply (default 1.5)")
+    s.add_argument("--draft-k", type=int, default=4, help="rows per verify pass, for r(k) (default 4)")
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--json", help="also write the table as JSON to this file, and a picture beside it (.png)")
+    s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.roofline", fromlist=["main"]).main(a))
+
     s = sub.add_parser("evals", help="whole jobs through the server, per tier: best-of-N with execution")
     evals = s.add_subparsers(dest="eval", required=True)
     e = evals.add_parser("humaneval", help="HumanEval best-of-N: N candidates per problem in one request, each run "

@@ -118,3 +118,48 @@ def qwen15_server(tmp_path_factory):
     srv = ServerProcess(pull("qwen2.5-coder-1.5b"), str(tmp / "ledger.db"), tmp / "server.log").start()
     yield srv
     srv.stop()
+
+
+# ------------------------------------------------------------------------------------ PostgreSQL
+
+
+def unavailable(why: str, required_by: str):
+    """Skip, or fail where the environment variable `required_by` says the thing is required (CI)."""
+    if os.environ.get(required_by):
+        pytest.fail(f"required here (${required_by}) but unavailable: {why}")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A PostgreSQL server's URL: $ULTRAFAST_TEST_POSTGRES_URL (CI: `.ci/run` starts one), or a throwaway cluster
+    from the local binaries (`LocalPostgres`). Skipped without either, unless $ULTRAFAST_REQUIRE_POSTGRES."""
+    pytest.importorskip("psycopg")
+    url = os.environ.get("ULTRAFAST_TEST_POSTGRES_URL")
+    if url:
+        yield url
+        return
+    from ultrafast.server.cluster import LocalPostgres
+
+    try:
+        pg = LocalPostgres().start()
+    except RuntimeError as e:
+        unavailable(str(e), "ULTRAFAST_REQUIRE_POSTGRES")
+    try:
+        yield pg.url
+    finally:
+        pg.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server):
+    """A fresh database on the server, for one test."""
+    import uuid
+
+    import psycopg
+
+    name = "uf_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(pg_server, autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {name}")
+    base, _, query = pg_server.partition("?")
+    yield base.rsplit("/", 1)[0] + "/" + name + ("?" + query if query else "")

@@ -1,99 +1,23 @@
 """The PostgreSQL backend (psycopg 3): keys, ledger and usage, and a server writing its ledger there.
 
-Uses $ULTRAFAST_TEST_POSTGRES_URL when set (CI: `.ci/run` installs Debian's PostgreSQL and starts a cluster);
-otherwise starts a throwaway cluster with the local PostgreSQL binaries (initdb/pg_ctl, as the `postgres` user
-when run as root) on a Unix socket. Skipped when neither is available, unless $ULTRAFAST_REQUIRE_POSTGRES is
-set (CI), where that is a failure."""
+The server comes from the `pg_server` fixture (conftest.py): $ULTRAFAST_TEST_POSTGRES_URL, or a throwaway
+cluster; skipped without either, unless $ULTRAFAST_REQUIRE_POSTGRES is set (CI)."""
 
 from __future__ import annotations
 
-import glob
 import json
-import os
-import pwd
-import shutil
-import subprocess
-import tempfile
+import threading
 import time
-import uuid
 
 import openai
 import pytest
 
-psycopg = pytest.importorskip("psycopg")
-
-
-def _unavailable(why: str):
-    if os.environ.get("ULTRAFAST_REQUIRE_POSTGRES"):
-        pytest.fail(f"PostgreSQL is required here ($ULTRAFAST_REQUIRE_POSTGRES) but unavailable: {why}")
-    pytest.skip(why)
-
-from ultrafast.server import ledger as ledger_mod  # noqa: E402
-from ultrafast.server.auth import KeyStore  # noqa: E402
-from ultrafast.server.db import Database  # noqa: E402
-from ultrafast.server.errors import AuthError  # noqa: E402
-from ultrafast.server.ledger import LedgerRow, LedgerWriter  # noqa: E402
-
-from .conftest import free_port  # noqa: E402
-
-
-def _pg_bin(name: str) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
-    cands = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
-    return cands[-1] if cands else None
-
-
-@pytest.fixture(scope="module")
-def pg_server():
-    url = os.environ.get("ULTRAFAST_TEST_POSTGRES_URL")
-    if url:
-        yield url
-        return
-    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
-    if not initdb or not pg_ctl:
-        _unavailable("no PostgreSQL server binaries (initdb, pg_ctl) and no $ULTRAFAST_TEST_POSTGRES_URL")
-    prefix: list[str] = []
-    d = tempfile.mkdtemp(prefix="ultrafast-pg-")
-    if os.geteuid() == 0:  # postgres refuses to run as root
-        try:
-            pw = pwd.getpwnam("postgres")
-        except KeyError:
-            _unavailable("running as root and there is no postgres user")
-        runuser = shutil.which("runuser")
-        if not runuser:
-            _unavailable("running as root without runuser")
-        os.chown(d, pw.pw_uid, pw.pw_gid)
-        prefix = [runuser, "-u", "postgres", "--"]
-    os.chmod(d, 0o755)
-    data, port = os.path.join(d, "data"), free_port()
-    p = subprocess.run(prefix + [initdb, "-D", data, "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"],
-                       capture_output=True, text=True, timeout=120)
-    if p.returncode != 0:
-        shutil.rmtree(d, ignore_errors=True)
-        _unavailable(f"initdb failed: {p.stderr[-500:]}")
-    opts = f"-p {port} -k {d} -c listen_addresses='' -c fsync=off"
-    p = subprocess.run(prefix + [pg_ctl, "-D", data, "-o", opts, "-l", os.path.join(d, "log"), "-w", "start"],
-                       capture_output=True, text=True, timeout=120)
-    if p.returncode != 0:
-        shutil.rmtree(d, ignore_errors=True)
-        _unavailable(f"pg_ctl start failed: {p.stderr[-500:]}")
-    try:
-        yield f"postgresql://postgres@/postgres?host={d}&port={port}"
-    finally:
-        subprocess.run(prefix + [pg_ctl, "-D", data, "-m", "immediate", "stop"], capture_output=True, timeout=60)
-        shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def pg_url(pg_server):
-    """A fresh database on the server, for one test."""
-    name = "uf_" + uuid.uuid4().hex[:12]
-    with psycopg.connect(pg_server, autocommit=True) as c:
-        c.execute(f"CREATE DATABASE {name}")
-    base, _, query = pg_server.partition("?")
-    yield base.rsplit("/", 1)[0] + "/" + name + ("?" + query if query else "")
+from ultrafast.server import ledger as ledger_mod
+from ultrafast.server.auth import KeyStore, Principal
+from ultrafast.server.db import Database
+from ultrafast.server.errors import AuthError, RateLimited
+from ultrafast.server.ledger import LedgerRow, LedgerWriter
+from ultrafast.server.rate_limit import RateLimiter
 
 
 def test_keys_ledger_usage_on_postgres(pg_url):
@@ -162,3 +86,32 @@ def test_ledger_rows_settle_close_and_interrupt_on_postgres(pg_url):
     assert got == {"live": ("finished", 40), "dead": ("interrupted", 16)}
     w.close()
     db.close()
+
+
+def test_rate_limit_holds_across_replicas_on_postgres(pg_url):
+    """Two limiters on one database (two replicas' worth), 16 threads admitting 10-token prompts for one key at
+    once: exactly the limit's worth get in, not twice it."""
+    limiters = [RateLimiter(Database(pg_url)), RateLimiter(Database(pg_url))]
+    key = Principal("k1", "n", frozenset({"standard"}), tpm=55)
+    admitted, refused = [], []
+    start = threading.Barrier(16)
+
+    def go(i):
+        start.wait()
+        try:
+            admitted.append(limiters[i % 2].admit(key, 10))
+        except RateLimited:
+            refused.append(i)
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(admitted) == 5 and len(refused) == 11
+    limiters[1].refund(key, admitted[0])  # the other replica's reservation, refunded through this one
+    limiters[0].admit(key, 10)
+    limiters[1].record(key, 5)  # a completion: 55 used
+    with pytest.raises(RateLimited):
+        limiters[0].admit(key, 1)
+    for rl in limiters:
+        rl.db.close()

@@ -15,13 +15,14 @@ from ultrafast.engine import GenerationResult, StreamEvent
 from ultrafast.kv_cache import KVCache
 from ultrafast.sampler import SamplingParams
 from ultrafast.server import ledger as ledger_mod
-from ultrafast.server.auth import (LOCAL_USER, KeyStore, Principal, RateLimiter, bearer_token, is_loopback,
+from ultrafast.server.auth import (LOCAL_USER, KeyStore, Principal, bearer_token, is_loopback,
                                    parse_tiers, resolve_tier)
 from ultrafast.server.db import Database
 from ultrafast.server.errors import AuthError, InvalidRequest, QueueFull, RateLimited, TierNotEntitled
 from ultrafast.server.ledger import LedgerRow, LedgerWriter
 from ultrafast.server.metrics import ServerMetrics
 from ultrafast.server.pricing import PriceTable
+from ultrafast.server.rate_limit import RateLimiter
 from ultrafast.server.scheduler import GenRequest, ModelWorker
 
 # ------------------------------------------------------------------------------------ pricing
@@ -120,9 +121,9 @@ def test_tiers_and_helpers():
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5") and not is_loopback("example.com")
 
 
-def test_rate_limiter_window_retry_after_refund():
+def test_rate_limiter_window_retry_after_refund(tmp_path):
     now = [1000.0]
-    rl = RateLimiter(clock=lambda: now[0])
+    rl = RateLimiter(Database(tmp_path / "rl.db"), clock=lambda: now[0])
     p = Principal("k", "n", frozenset({"standard"}), tpm=100)
     rl.admit(p, 30)
     rl.record(p, 50)  # the completion
@@ -307,7 +308,7 @@ def _worker(tmp_path, engine, slots=1, max_queue=8, weight=2):
     db = Database(tmp_path / "s.db").init()
     return ModelWorker("fake", None, slots=slots, max_queue=max_queue, ultrafast_weight=weight,
                        metrics=ServerMetrics(process=False), ledger=LedgerWriter(db), prices=PriceTable.builtin(),
-                       limiter=RateLimiter(), warmup=False, engine_factory=lambda: engine), db
+                       limiter=RateLimiter(db), warmup=False, engine_factory=lambda: engine), db
 
 
 def _run_worker(w, reqs) -> None:
@@ -604,7 +605,7 @@ def test_worker_builds_its_engine_with_the_activation_bits(tmp_path, smollm_path
         pytest.skip("8-bit activations need the AVX512-VNNI kernels")
     db = Database(tmp_path / "s.db").init()
     w = ModelWorker("smollm2-135m", smollm_path, max_context=256, metrics=ServerMetrics(process=False),
-                    ledger=LedgerWriter(db), prices=PriceTable.builtin(), limiter=RateLimiter(), warmup=False,
+                    ledger=LedgerWriter(db), prices=PriceTable.builtin(), limiter=RateLimiter(db), warmup=False,
                     activation_bits=8)
     assert w._load().kernels_in_use().endswith("vnni-int8")
 
@@ -614,7 +615,7 @@ def test_worker_builds_its_engine_with_the_drafters(tmp_path, smollm_path):
     ultrafast requests draft with those drafters."""
     db = Database(tmp_path / "s.db").init()
     w = ModelWorker("smollm2-135m", smollm_path, max_context=256, metrics=ServerMetrics(process=False),
-                    ledger=LedgerWriter(db), prices=PriceTable.builtin(), limiter=RateLimiter(), warmup=False,
+                    ledger=LedgerWriter(db), prices=PriceTable.builtin(), limiter=RateLimiter(db), warmup=False,
                     drafters=["self_spec", "draft_model"], draft_model=smollm_path, self_spec_layers="0-3,25-29")
     engine = w._load()
     assert engine.default_drafters == ["self_spec", "draft_model"] and engine.draft_engine is not None

@@ -1,6 +1,6 @@
 """Benchmarks, each a CLI verb: `bench` (decode vs the memory roofline and llama.cpp), `specbench`
 (Spec-Bench, both tiers side by side), `agentbench` (an agent loop re-sending the same file), `jsonbench`
-(structured output over 50 JSON schemas)."""
+(structured output over 50 JSON schemas), `roofline` (the bandwidth bound of batch-1 decoding by hardware)."""
 
 
 def ceiling_line(r: list[float]) -> str:

@@ -3,38 +3,14 @@ loopback port (and stopped after it), with enough slots for the run's candidates
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log: Path | None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:] if log else ""
-            raise RuntimeError(f"the server exited with status {proc.returncode}:\n{tail}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"no healthy server at {url} within {timeout:.0f} s")
+from ..server.process import ServeProcess, wait_healthy
 
 
 def _model(url: str, api_key: str | None) -> str:
@@ -50,31 +26,19 @@ def served(args, slots: int):
     if args.url:
         url = args.url.rstrip("/")
         url = url[:-3] if url.endswith("/v1") else url
-        _wait_healthy(url, None, 30, None)
+        wait_healthy(url, None, 30)
         yield url + "/v1", _model(url, args.api_key)
         return
-    port = _free_port()
     tmp = Path(tempfile.mkdtemp(prefix="ultrafast-evals-"))
-    log = tmp / "server.log"
-    cmd = [sys.executable, "-m", "ultrafast.cli", "serve", "--model", args.model, "--port", str(port),
-           "--db", str(tmp / "ledger.db"), "--slots", str(slots), "--max-queue", str(max(64, 4 * slots)),
-           "--max-context", str(args.max_context), "--log-level", "warning"]
+    cmd = ["--model", args.model, "--db", str(tmp / "ledger.db"), "--slots", str(slots),
+           "--max-queue", str(max(64, 4 * slots)), "--max-context", str(args.max_context), "--log-level", "warning"]
     if getattr(args, "threads", None):
         cmd += ["--threads", str(args.threads)]
-    print(f"starting `ultrafast serve --model {args.model} --slots {slots}` on port {port} (log {log})",
-          file=sys.stderr)
-    with log.open("ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    server = ServeProcess(cmd, tmp / "server.log")
+    print(f"starting `ultrafast serve --model {args.model} --slots {slots}` on port {server.port} (log "
+          f"{server.log})", file=sys.stderr)
+    server.start()
     try:
-        _wait_healthy(url, proc, 900, log)
-        yield url + "/v1", _model(url, None)
+        yield server.url + "/v1", _model(server.url, None)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        server.stop()

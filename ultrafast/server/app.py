@@ -31,11 +31,12 @@ from . import conversations
 from . import ledger as ledger_mod
 from . import protocol
 from . import responses as responses_api
-from .auth import LOCAL_USER, KeyStore, Principal, RateLimiter, bearer_token, is_loopback, resolve_tier
+from .auth import LOCAL_USER, KeyStore, Principal, bearer_token, is_loopback, resolve_tier
 from .db import Database
 from .errors import (APIError, AuthError, ContextOverflow, InvalidRequest, ModelNotFound, PayloadTooLarge,
                      Unavailable, error_body, type_for_status)
 from .ledger import LedgerWriter
+from .rate_limit import RateLimiter
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .pricing import PriceTable
 from .protocol import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, DeletedResponse,
@@ -95,7 +96,7 @@ class Server:
         self.keys = KeyStore(self.db)
         self.ledger = LedgerWriter(self.db)
         self.metrics = ServerMetrics()
-        self.limiter = RateLimiter()
+        self.limiter = RateLimiter(self.db)
         self.started = time.time()
         self._started = False
         self.workers = {
@@ -627,11 +628,14 @@ async def _run(request: Request, srv: Server, worker, who: Principal, tier: str,
     req = GenRequest(model=worker.name, tier=tier, endpoint=endpoint, principal=who, prompts=prompts,
                      make_params=_params_factory(body, max_tokens, top_logprobs, plan.grammar), n=body.n, emit=emit,
                      id=req_id)
-    reservation = srv.limiter.admit(who, sum(len(p) for p in prompts))
+    reservation = None
+    if who.tpm is not None:  # a database transaction: off the event loop
+        reservation = await asyncio.to_thread(srv.limiter.admit, who, sum(len(p) for p in prompts))
     try:
         worker.submit(req)
     except APIError:
-        srv.limiter.refund(who, reservation)
+        if reservation is not None:
+            await asyncio.to_thread(srv.limiter.refund, who, reservation)
         raise
     if output is None:
         so = body.stream_options

@@ -1,4 +1,4 @@
-"""API keys, the tiers they may use, and their tokens-per-minute limits.
+"""API keys, the tiers they may use, and their tokens-per-minute limits (enforced by rate_limit.py).
 
 A key reads `uf-<key_id>-<secret>`. The database keeps `key_id` (the primary key, so a lookup is one
 index probe) and the sha256 of the whole key, never the key itself; it is printed once, at creation.
@@ -19,13 +19,11 @@ import hashlib
 import hmac
 import ipaddress
 import secrets
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from .db import Database
-from .errors import AuthError, InvalidRequest, RateLimited, TierNotEntitled
+from .errors import AuthError, InvalidRequest, TierNotEntitled
 from .pricing import TIERS
 
 KEY_PREFIX = "uf"
@@ -160,72 +158,3 @@ def resolve_tier(requested: str | None, principal: Principal) -> str:
                 "service_tier 'standard' (or 'auto'), or ask for a key with the ultrafast tier.")
         raise TierNotEntitled(f"This API key is not entitled to the {requested} tier.")
     return requested
-
-
-class RateLimiter:
-    """Tokens per minute per key, over a sliding 60 s window.
-
-    A request is admitted while the key's tokens in the last minute plus its prompt fit the limit; its
-    completion tokens are added when it ends. So a key can overshoot by one request's completion, never
-    more, and a request is never refused for a completion it might not produce.
-    """
-
-    WINDOW = 60.0
-
-    def __init__(self, clock=time.monotonic):
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._events: dict[str, deque] = {}
-
-    def _used(self, key_id: str, now: float) -> tuple[int, deque]:
-        q = self._events.setdefault(key_id, deque())
-        while q and q[0][0] <= now - self.WINDOW:
-            q.popleft()
-        return sum(n for _, n in q), q
-
-    def admit(self, principal: Principal, prompt_tokens: int):
-        """Admit a request's prompt against the key's limit (RateLimited if it does not fit); the returned
-        reservation can be refunded if the request is then refused for another reason."""
-        if principal.tpm is None or principal.key_id is None:
-            return None
-        tpm = principal.tpm
-        with self._lock:
-            now = self._clock()
-            used, q = self._used(principal.key_id, now)
-            if prompt_tokens > tpm:
-                raise RateLimited(f"Request too large: {prompt_tokens} prompt tokens exceed this key's limit of "
-                                  f"{tpm} tokens per minute.", retry_after=self.WINDOW, code="request_too_large")
-            if used + prompt_tokens > tpm:
-                # wait until enough of the window has expired
-                need, freed, retry = used + prompt_tokens - tpm, 0, self.WINDOW
-                for t, n in q:
-                    freed += n
-                    if freed >= need:
-                        retry = t + self.WINDOW - now
-                        break
-                raise RateLimited(f"Rate limit reached: {used} of {tpm} tokens per minute used in the last minute; "
-                                  f"this request needs {prompt_tokens} more. Retry after {max(1, round(retry))} s.",
-                                  retry_after=retry)
-            entry = (now, prompt_tokens)
-            q.append(entry)
-            return entry
-
-    def refund(self, principal: Principal, reservation) -> None:
-        if reservation is None or principal.key_id is None:
-            return
-        with self._lock:
-            q = self._events.get(principal.key_id)
-            if q is not None:
-                try:
-                    q.remove(reservation)
-                except ValueError:
-                    pass
-
-    def record(self, principal: Principal, tokens: int) -> None:
-        """Tokens a request used past its prompt (its completion), counted when it ends."""
-        if principal.tpm is None or principal.key_id is None or tokens <= 0:
-            return
-        with self._lock:
-            now = self._clock()
-            _, q = self._used(principal.key_id, now)
-            q.append((now, tokens))

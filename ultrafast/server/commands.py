@@ -105,6 +105,30 @@ def add_commands(sub) -> None:
     lt.add_argument("--json", action="store_true", help="print the results as JSON")
     lt.set_defaults(fn=cmd_loadtest)
 
+    cl = sub.add_parser("cluster", help="replicas of `serve` on one PostgreSQL database behind HAProxy "
+                                        "(`ultrafast/server/cluster.py`)")
+    csub = cl.add_subparsers(dest="cluster_command", required=True)
+    up = csub.add_parser("up", help="PostgreSQL + N replicas + HAProxy on this machine, for a try-out (Ctrl-C stops)")
+    up.add_argument("--replicas", type=int, default=2)
+    up.add_argument("--host", default="127.0.0.1", help="the balancer's bind address")
+    up.add_argument("--port", type=int, default=8000, help="the balancer's port")
+    up.add_argument("--db", default=None, help="a postgresql:// URL shared by the replicas (default: a throwaway "
+                                               "cluster from Debian's PostgreSQL binaries)")
+    up.add_argument("--model", action="append", default=None, metavar="M", help=f"as serve's (default {DEFAULT_MODEL})")
+    up.add_argument("--slots", type=int, default=4, help="per replica")
+    up.add_argument("--threads", type=int, default=None, help="compute threads per replica")
+    up.add_argument("--require-keys", action="store_true")
+    up.add_argument("--prices", default=None)
+    up.add_argument("--serve-args", default="", help="more `serve` options for every replica, one string")
+    up.set_defaults(fn=cmd_cluster_up)
+    hc = csub.add_parser("haproxy-config", help="print the HAProxy configuration for replicas on other hosts")
+    hc.add_argument("--bind", default="0.0.0.0:8000", help="HOST:PORT the balancer listens on")
+    hc.add_argument("--replica", action="append", required=True, metavar="HOST:PORT", help="repeatable")
+    hc.add_argument("--errors-dir", default="/etc/haproxy/errors/ultrafast",
+                    help="where the OpenAI-shaped error files live (written there with --write-errors)")
+    hc.add_argument("--write-errors", action="store_true", help="also write the error files into --errors-dir")
+    hc.set_defaults(fn=cmd_cluster_haproxy_config)
+
 
 def cmd_serve(args) -> int:
     import logging
@@ -221,3 +245,62 @@ def cmd_loadtest(args) -> int:
     if args.soak:  # a soak passes with no errors and the ledger agreeing with the metrics
         return 0 if report["completed"] > 0 and not report["errors"] and report["billing"]["equal"] else 1
     return 0 if report["completed"] > 0 else 1
+
+
+def cluster_serve_args(args) -> list[str]:
+    import shlex
+
+    out = []
+    for m in args.model or [DEFAULT_MODEL]:
+        out += ["--model", m]
+    out += ["--slots", str(args.slots)]
+    if args.threads:
+        out += ["--threads", str(args.threads)]
+    if args.require_keys:
+        out.append("--require-keys")
+    if args.prices:
+        out += ["--prices", args.prices]
+    return out + shlex.split(args.serve_args)
+
+
+def cmd_cluster_up(args) -> int:
+    import signal
+
+    from .cluster import Cluster
+    from .db import is_postgres_url
+
+    if args.db is not None and not is_postgres_url(args.db):
+        raise ValueError("--db: replicas share a PostgreSQL database (a postgresql:// URL); SQLite is one process's")
+    cluster = Cluster(args.replicas, cluster_serve_args(args), port=args.port, host=args.host, db=args.db)
+    cluster.start(log=sys.stderr)
+    print(f"ultrafast cluster: {args.replicas} replicas behind {cluster.url}/v1 (files in {cluster.workdir}); "
+          "Ctrl-C stops it", file=sys.stderr)
+    signal.signal(signal.SIGTERM, _interrupt)
+    dead: set[int] = set()
+    try:
+        while True:  # the balancer routes around a replica that dies; say so once
+            time.sleep(1)
+            for i, r in enumerate(cluster.replicas, 1):
+                if not r.alive() and i not in dead:
+                    dead.add(i)
+                    print(f"replica {i} exited (status {r.proc.returncode}; log {r.log})", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        cluster.stop()
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+def cmd_cluster_haproxy_config(args) -> int:
+    from pathlib import Path
+
+    from . import cluster
+
+    text = cluster.haproxy_config(args.bind, args.replica, args.errors_dir)
+    if args.write_errors:
+        cluster.write_error_files(Path(args.errors_dir))
+    print(text, end="")
+    return 0

@@ -1,4 +1,4 @@
-"""The service's database: API keys, the ledger and stored responses.
+"""The service's database: API keys, the ledger, rate-limit events and stored responses.
 
 SQLite by default (a file path; WAL journal, so readers never block the writer and a killed process
 leaves every committed row intact and no half-written one), PostgreSQL when the target is a
@@ -63,6 +63,14 @@ _SQLITE_SCHEMA = [
         instance TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS ledger_key_day ON ledger (key_id, day)",
+    # tokens per minute per key (rate_limit.py): the last minute's events, shared by every replica
+    """CREATE TABLE IF NOT EXISTS rate_events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        key_id TEXT NOT NULL,
+        ts REAL NOT NULL,
+        tokens INTEGER NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS rate_events_key_ts ON rate_events (key_id, ts)",
     # stored Responses API responses (responses.py): the conversation before the output, for previous_response_id
     """CREATE TABLE IF NOT EXISTS responses (
         response_id TEXT PRIMARY KEY,

@@ -37,7 +37,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .auth import Principal, RateLimiter
+from .auth import Principal
+from .rate_limit import RateLimiter
 from .errors import QueueFull, Unavailable
 from .ledger import SETTLE_S, SETTLE_TOKENS, LedgerRow, LedgerWriter
 from .metrics import ServerMetrics

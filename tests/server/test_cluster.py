@@ -1,0 +1,188 @@
+"""`ultrafast cluster`: two replicas (SmolLM2) on one PostgreSQL database behind HAProxy, on loopback.
+
+Mixed-tier traffic from the official client through the balancer; one replica killed (SIGKILL) mid-load: its
+requests in flight fail cleanly (an error, no hang), new ones go to the other, and the ledger's totals equal what
+the clients received. A key's tokens-per-minute limit holds across both replicas; a conversation started on one
+replica continues on the other. Needs HAProxy (Debian's `haproxy`; `.ci/run` installs it) and PostgreSQL;
+skipped without them unless $ULTRAFAST_REQUIRE_HAPROXY / $ULTRAFAST_REQUIRE_POSTGRES are set (CI)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from ultrafast.server.auth import KeyStore
+from ultrafast.server.cluster import Cluster, haproxy_config
+from ultrafast.server.db import Database
+
+from .conftest import free_port, unavailable
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm_path, pg_server, tmp_path_factory):
+    if not (shutil.which("haproxy") or shutil.which("/usr/sbin/haproxy")):
+        unavailable("no HAProxy (Debian: apt-get install haproxy)", "ULTRAFAST_REQUIRE_HAPROXY")
+    import uuid
+
+    import psycopg
+
+    name = "uf_cluster_" + uuid.uuid4().hex[:8]
+    with psycopg.connect(pg_server, autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {name}")
+    base, _, query = pg_server.partition("?")
+    url = base.rsplit("/", 1)[0] + f"/{name}" + ("?" + query if query else "")
+    db = Database(url).init()
+    store = KeyStore(db)
+    keys = [store.create(f"tenant{i}", "standard,ultrafast")[0] for i in range(8)]
+    limited = store.create("limited", "standard", tpm=1000)  # set below, once the prompt's size is known
+    db.close()
+    cl = Cluster(2, ["--model", str(smollm_path), "--require-keys", "--slots", "2", "--max-context", "512",
+                     "--no-warmup", "--log-level", "warning"], port=free_port(), db=url,
+                 workdir=tmp_path_factory.mktemp("cluster"))
+    cl.start()
+    yield {"cl": cl, "db_url": url, "keys": keys, "limited": limited}
+    cl.stop()
+
+
+def _client(base: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _ledger(env) -> dict[str, dict]:
+    db = Database(env["db_url"])
+    rows = {r["request_id"]: r for r in db.query("SELECT * FROM ledger")}
+    db.close()
+    return rows
+
+
+def test_config_refuses_bad_addresses():
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        haproxy_config("127.0.0.1:8000", ["replica-without-port"], "/tmp")
+    with pytest.raises(ValueError, match="at least one replica"):
+        haproxy_config("127.0.0.1:8000", [], "/tmp")
+
+
+def test_rate_limit_and_conversations_span_replicas(cluster):
+    """The limited key alternates between the replicas directly: the limit admits its worth in total."""
+    r1, r2 = (r.url for r in cluster["cl"].replicas)
+    secret, rec = cluster["limited"]
+    msgs = [{"role": "user", "content": "Say hi."}]
+    probe = _client(r1, cluster["keys"][0]).chat.completions.create(model=MODEL, messages=msgs, max_tokens=1,
+                                                                      temperature=0)
+    p = probe.usage.prompt_tokens
+    db = Database(cluster["db_url"])
+    db.execute("UPDATE api_keys SET tpm = ? WHERE key_id = ?", (3 * (p + 1), rec["key_id"]))
+    db.close()
+    ok, refused = 0, 0
+    for i in range(6):
+        try:
+            _client((r1, r2)[i % 2], secret).chat.completions.create(model=MODEL, messages=msgs, max_tokens=1,
+                                                                     temperature=0)
+            ok += 1
+        except openai.RateLimitError:
+            refused += 1
+    assert (ok, refused) == (3, 3)  # one process's limiter each would have admitted 6
+
+    key = cluster["keys"][1]
+    first = _client(r1, key).responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=4,
+                                              temperature=0)
+    more = _client(r2, key).responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                             max_output_tokens=4, temperature=0)
+    assert more.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+def test_balancer_survives_a_replica_killed_mid_load(cluster):
+    cl, keys = cluster["cl"], cluster["keys"]
+    base = cl.url
+    # consistent hashing: each key's requests land on one replica (the ledger says which)
+    ids_by_key = {}
+    for k in keys:
+        ids_by_key[k] = [_client(base, k).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi."}], max_tokens=2, temperature=0).id
+            for _ in range(2)]
+    rows = _ledger(cluster)
+    homes = {k: {rows[i]["instance"] for i in ids} for k, ids in ids_by_key.items()}
+    assert all(len(h) == 1 for h in homes.values()), homes
+    assert len(set().union(*homes.values())) == 2  # eight keys spread over both replicas
+
+    stop = threading.Event()
+    received: dict[str, int] = {}  # request id -> completion tokens the client received
+    failures: list[tuple[str, float]] = []
+    lock = threading.Lock()
+
+    def load(i: int):
+        client = _client(base, keys[i])
+        n = 0
+        while not stop.is_set():
+            n += 1
+            tier = ("standard", "ultrafast")[(i + n) % 2]
+            t0 = time.monotonic()
+            try:
+                if n % 2:
+                    r = client.chat.completions.create(model=MODEL, service_tier=tier, max_tokens=24, temperature=0,
+                                                       messages=[{"role": "user", "content": f"Count to {n}."}])
+                    rid, tokens = r.id, r.usage.completion_tokens
+                else:
+                    rid, tokens = None, None
+                    for chunk in client.chat.completions.create(
+                            model=MODEL, service_tier=tier, max_tokens=24, temperature=0, stream=True,
+                            stream_options={"include_usage": True},
+                            messages=[{"role": "user", "content": f"Name {n} colours."}]):
+                        rid = chunk.id
+                        if chunk.usage is not None:
+                            tokens = chunk.usage.completion_tokens
+                    if tokens is None:
+                        raise RuntimeError("the stream ended without its usage")
+                with lock:
+                    received[rid] = tokens
+            except (openai.APIError, RuntimeError, httpx.HTTPError) as e:
+                with lock:
+                    failures.append((f"{type(e).__name__}: {e}"[:160], time.monotonic() - t0))
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+    t_load = time.time()
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120  # load running on both replicas (an ultrafast tier's first pass measures r(k))
+    while len(received) < 8 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)
+    victim = cl.replicas[0]
+    before_kill = len(received)
+    victim.kill()
+    time.sleep(8)
+    stop.set()
+    for t in threads:
+        t.join(90)
+    t_end = time.time()
+    assert not any(t.is_alive() for t in threads)
+    assert before_kill > 0 and len(received) > before_kill, (before_kill, len(received), failures[:5])  # served after the kill too
+    assert all(seconds < 30 for _, seconds in failures), failures  # failed, not hung
+    assert len(failures) <= 4, failures  # at most the requests in flight on the dead replica (one per thread)
+
+    # after the kill every key is served (its home moved if it was the dead replica's)
+    for k in keys:
+        r = _client(base, k).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi."}],
+                                                     max_tokens=2, temperature=0)
+        assert r.choices[0].message.content is not None
+
+    # the ledger: every response a client received is there, finished, with the tokens the client got
+    rows = _ledger(cluster)
+    for rid, tokens in received.items():
+        assert rows[rid]["status"] == "finished" and rows[rid]["completion_tokens"] == tokens, rid
+    assert sum(rows[rid]["completion_tokens"] for rid in received) == sum(received.values())
+    # and what it billed as finished beyond those is at most the kill's window (a row committed, its response
+    # not yet delivered when the process died)
+    unseen = [r for r in rows.values() if t_load <= r["ts"] <= t_end and r["status"] == "finished"
+              and r["request_id"] not in received]
+    assert len(unseen) <= len(failures), unseen
+    # the balancer's health check took the dead replica out
+    stats = httpx.get(base + "/health", timeout=10)
+    assert stats.status_code == 200
