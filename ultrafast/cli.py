@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -88,9 +89,16 @@ def _load_engine(args):
 
     path = resolve_model(args.model)  # a first pull is not load time
     t0 = time.perf_counter()
+    tp = None
+    if getattr(args, "tp", 1) != 1:
+        from .tensor_parallel import init
+
+        tp = init(args.tp, args.device or "cpu")
+        if not tp.leader:  # every rank runs the same passes; rank 0 speaks
+            sys.stdout = sys.stderr = open(os.devnull, "w")
     engine = Engine.from_model(str(path), max_context=args.max_context, device=args.device,
                                draft_model=args.draft_model, activation_bits=args.activation_bits,
-                               self_spec_layers=args.self_spec_layers, draft_head=args.draft_head)
+                               self_spec_layers=args.self_spec_layers, draft_head=args.draft_head, tp=tp)
     info = engine.describe()
     print(f"loaded {path.name} in {time.perf_counter() - t0:.1f}s: {info['layers']} layers, "
           f"weights {info['weight_bytes_held'] / 1e6:.0f} MB held for {info['file_tensor_bytes'] / 1e6:.0f} MB in "
@@ -235,8 +243,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON matching this JSON schema")
     g.add_argument("--grammar", metavar="FILE", help="constrain the output to this EBNF grammar (xgrammar's GBNF)")
     g.add_argument("--regex", help="constrain the output to this regular expression")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: launch with `torchrun "
+                                                     "--nproc-per-node N $(which ultrafast) generate --tp N ...`")
     _sampling_args(s)
     s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("tp-check", help="tensor parallelism under torchrun: both tiers identical at degree N, "
+                                        "agreement with one process (tokens, logits), the all-reduces' cost")
+    s.add_argument("--model", default=DEFAULT_MODEL)
+    s.add_argument("--tp", type=int, default=2)
+    s.add_argument("--prompts-file", default=None, help='JSONL of {"prompt": "..."} (default: four built in)')
+    s.add_argument("--max-tokens", type=int, default=48)
+    s.add_argument("--max-context", type=int, default=1024)
+    s.add_argument("--threads", type=int, default=1, help="compute threads per rank")
+    s.add_argument("--json", help="also write the figures as JSON to this file")
+    s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.tp_check", fromlist=["main"]).main(a))
 
     s = sub.add_parser("chat", help="interactive chat, streaming")
     _model_args(s)

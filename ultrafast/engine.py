@@ -30,13 +30,18 @@ class ContextOverflowError(ValueError):
     pass
 
 
+def _packed_tp(model, loaded, *, act_bits: int, tp, apply_tp):
+    return apply_tp(apply_packed(model, loaded, act_bits=act_bits), tp)
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, model: Transformer, *, max_context: int | None = None, device="cpu"):
         self.loaded, self.model, self.device = loaded, model, torch.device(device)
         self.config = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.config.context_length)
-        self.cache = KVCache(self.config, self.max_context, device=self.device)
+        # under tensor parallelism the cache holds this rank's heads only (model.kv_config)
+        self.cache = KVCache(model.kv_config, self.max_context, device=self.device)
         self.weight_bytes_per_token = model.weight_bytes_per_token()
         # the ultrafast tier's state, kept per engine (never module-global)
         self.r_table: list[float] | None = None  # measured r(k), on first ultrafast use
@@ -81,14 +86,14 @@ class Engine:
             raise ValueError("the draft model must share the target's tokenizer")
         self.draft_engine = draft
         step = _step_time(self)
-        self.draft_cost = _step_time(draft) / step  # a draft forward in target forwards
+        self.draft_cost = self._agree(_step_time(draft) / step)  # a draft forward in target forwards
         # a token of the draft's catch-up (fed 64 at a time, as a prompt is), in the same unit
-        self.draft_feed_cost = _step_time(draft, tokens=64, reps=3) / 64 / step
+        self.draft_feed_cost = self._agree(_step_time(draft, tokens=64, reps=3) / 64 / step)
         self.default_drafters = ["grammar", "suffix", "prompt_lookup", "draft_model"]
 
     @classmethod
     def from_path(cls, path: str | Path, *, max_context: int | None = None, device: str | None = None,
-                  packed: bool | None = None, activation_bits: int = 16) -> "Engine":
+                  packed: bool | None = None, activation_bits: int = 16, tp=None) -> "Engine":
         """packed: keep weights packed and use the batch-invariant CPU kernels (default on CPU when they build);
         False is the reference path (weights dequantized to fp32 `nn.Linear`, PyTorch ops).
         activation_bits: 16 (default), or 8 (llama.cpp's activation precision, twice the multiply rate in
@@ -102,12 +107,18 @@ class Engine:
             raise ValueError("8-bit activations need the packed AVX512-VNNI CPU kernels, which this run lacks")
         loaded = load(path)
         transform = partial(apply_packed, act_bits=activation_bits) if packed else None
+        if tp is not None:  # tensor parallelism (`tensor_parallel.py`): this rank's share of the packed layers
+            if not packed:
+                raise ValueError("tensor parallelism slices packed weights: it needs the packed CPU kernels")
+            from .tensor_parallel import apply_tp
+
+            transform = partial(_packed_tp, act_bits=activation_bits, tp=tp, apply_tp=apply_tp)
         return cls(loaded, build_model(loaded, device, transform), max_context=max_context, device=device)
 
     @classmethod
     def from_model(cls, model: str, *, max_context: int | None = None, device: str | None = None,
                    draft_model: str | None = None, activation_bits: int = 16,
-                   self_spec_layers: str | None = None, draft_head: str | None = "auto") -> "Engine":
+                   self_spec_layers: str | None = None, draft_head: str | None = "auto", tp=None) -> "Engine":
         """A `--model` argument (a registered name, pulled on first use, or a path), with an optional draft
         model that shares its tokenizer (`--draft-model`), the self_spec drafter's layers
         (`--self-spec-layers`) and a draft head (`--draft-head`: a path, "auto" for the one trained for this
@@ -115,7 +126,7 @@ class Engine:
         from .pull import resolve_model
 
         engine = cls.from_path(resolve_model(model), max_context=max_context, device=device,
-                               activation_bits=activation_bits)
+                               activation_bits=activation_bits, tp=tp)
         if draft_model:
             engine.attach_draft_model(cls.from_path(resolve_model(draft_model), max_context=engine.max_context,
                                                     device=device, activation_bits=activation_bits))
@@ -175,7 +186,9 @@ class Engine:
     # ---------------------------------------------------------------- generation
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.config, self.max_context, device=self.device)
+        cache = KVCache(self.model.kv_config, self.max_context, device=self.device)
+        cache.mirror = self.model.mirror
+        return cache
 
     def forward(self, tokens: list[int], start_pos: int, all_logits: bool = False,
                 cache: KVCache | None = None, layers: list[int] | None = None, hidden: bool = False, tree=None):
@@ -207,6 +220,21 @@ class Engine:
         if bad:
             raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
 
+    def _agree(self, measured):
+        """A measurement that steers decoding (the draft policy's costs): under tensor parallelism every rank
+        takes rank 0's, so that all run the same passes."""
+        tp = getattr(self.model, "tp", None)
+        if tp is None or self.model.mirror is not None:  # serve --tp: the other ranks only follow rank 0's passes
+            return measured
+        return tp.agree(measured)
+
+    def lead(self) -> None:
+        """`serve --tp`: this rank (0) decides; the others run what it sends (`tensor_parallel.follow`)."""
+        from .tensor_parallel import Mirror
+
+        self.model.mirror = Mirror(self.model.tp)
+        self.cache.mirror = self.model.mirror
+
     def stepper(self, tier: str = "standard", drafters: list[str] | None = None, cache: KVCache | None = None):
         """The decoding loop's step for a tier: plain, or speculative with the given drafters."""
         cache = cache or self.cache
@@ -215,12 +243,12 @@ class Engine:
         if tier != "ultrafast":
             raise ValueError(f"unknown tier {tier!r}: standard or ultrafast")
         if self.r_table is None:
-            self.r_table = measure_r(self)
+            self.r_table = self._agree(measure_r(self))
         names = drafters or self.default_drafters
         if "self_spec" in names and self.self_spec_cost is None:
-            self.self_spec_cost = _step_time(self, self.self_spec_layers) / _step_time(self)
+            self.self_spec_cost = self._agree(_step_time(self, self.self_spec_layers) / _step_time(self))
         if "head" in names and self.draft_head is not None and self.head_cost is None:
-            self.head_cost = _head_step_time(self) / _step_time(self)
+            self.head_cost = self._agree(_head_step_time(self) / _step_time(self))
         objs = build_drafters(names, suffix_cache=self.suffix_cache, draft_engine=self.draft_engine,
                               draft_cost=self.draft_cost, draft_feed_cost=self.draft_feed_cost,
                               target=self, cache=cache,

@@ -22,6 +22,14 @@ class KVCache:
         self.k_layers, self.v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))  # views, made once
         self.max_len = max_len
         self.tokens: list[int] = []
+        self.mirror = None  # `serve --tp`: rank 0 tells the other ranks of every change (tensor_parallel.Mirror)
+
+    def copy_prefix_from(self, src: "KVCache", m: int) -> None:
+        """The first m positions' rows of `src` (a sibling candidate's prefilled prompt), in every layer."""
+        if self.mirror is not None:
+            self.mirror.copy_prefix(self, src, m)
+        self.k[:, :, :m] = src.k[:, :, :m]
+        self.v[:, :, :m] = src.v[:, :, :m]
 
     def reusable_prefix(self, prompt: list[int]) -> int:
         """How many leading prompt tokens already have their rows here (at least one is always recomputed)."""

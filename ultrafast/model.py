@@ -132,6 +132,8 @@ class Transformer(nn.Module):
     def __init__(self, c: ModelConfig, embedding: QuantEmbedding):
         super().__init__()
         self.config = c
+        self.kv_config = c  # what the KV cache holds (tensor parallelism: this rank's heads)
+        self.mirror = None  # `serve --tp`: rank 0 sends every pass to the other ranks first (tensor_parallel.py)
         self.tok_embeddings = embedding
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
@@ -168,6 +170,8 @@ class Transformer(nn.Module):
         positions starts[s].., each with its own cache. Returns logits of every row (all_logits) or of each
         sequence's last row [n_sequences, vocab]. Rows never influence each other's values. hidden: also the
         last layer's output for every row, before the final norm (what a draft head reads): (logits, h [T, dim])."""
+        if self.mirror is not None:
+            self.mirror.forward(tokens, starts, lens, caches, all_logits, layers, hidden, tree)
         # [T, D], once per pass for every layer; a table, so a position's values never depend on the batch
         self._rope_to(max(s + n for s, n in zip(starts, lens)))
         if tree is not None:

@@ -74,9 +74,10 @@ class FusedBlock(nn.Module):
     LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
 
-    def __init__(self, block: nn.Module):
+    def __init__(self, block: nn.Module, tp=None):
         super().__init__()
         self.block = block  # keeps the packed modules (and their bytes) registered
+        self.tp = tp  # tensor parallelism (tensor_parallel.py): the layer runs as two halves, all-reduced
         lin = [block.get_submodule(n) for n in self.LINEARS]
         self._lin = lin
         self.qtypes = [m.qtype for m in lin]
@@ -98,11 +99,16 @@ class FusedBlock(nn.Module):
     def forward(self, x, cos, sin, segments, tree=None):
         b = self.block
         starts, lens, kcs, vcs = (list(t) for t in zip(*segments))
-        return kernels.decoder_block(x, starts, lens, b.attention_norm.weight, b.ffn_norm.weight,
-                                     b.attention_norm.eps, self.raws, self.qtypes, self.biases, kcs, vcs,
-                                     cos, sin,
-                                     self.n_heads, self.n_kv_heads, self.head_dim, self.scale, self.act_bits,
-                                     None if tree is None else tree.kernel_args)
+
+        def run(x, part):
+            return kernels.decoder_block(x, starts, lens, b.attention_norm.weight, b.ffn_norm.weight,
+                                         b.attention_norm.eps, self.raws, self.qtypes, self.biases, kcs, vcs,
+                                         cos, sin, self.n_heads, self.n_kv_heads, self.head_dim, self.scale,
+                                         self.act_bits, None if tree is None else tree.kernel_args, part)
+        if self.tp is None:
+            return run(x, 0)
+        h = x + self.tp.all_reduce(run(x, 1))  # the attention half's partial sums, then the residual
+        return h + self.tp.all_reduce(run(h, 2))
 
 
 def _swap(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -77,6 +77,8 @@ def keep_path(cache, start: int, path: list[int]) -> None:
     """Move the rows of the accepted nodes `path` (depth 1, 2, ...) to rows start+1, start+2, ... in every
     layer (each node's slot is start + its index, never below its destination, so in order nothing is
     overwritten before it is read)."""
+    if cache.mirror is not None:
+        cache.mirror.keep_path(cache, start, path)
     for i, node in enumerate(path, start=1):
         if node != i:
             cache.k[:, :, start + i] = cache.k[:, :, start + node]

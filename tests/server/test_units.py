@@ -257,8 +257,10 @@ class FakeCache:
         self.k = torch.zeros(1, 1, n, 1)
         self.v = torch.zeros(1, 1, n, 1)
         self.tokens: list[int] = []
+        self.mirror = None
 
-    reusable_prefix = KVCache.reusable_prefix  # the real rule, on a tiny cache
+    reusable_prefix = KVCache.reusable_prefix  # the real rules, on a tiny cache
+    copy_prefix_from = KVCache.copy_prefix_from
 
 
 class FakeEngine:

@@ -331,15 +331,17 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
 
 def decoder_block(x, starts, lens, attn_norm, ffn_norm, eps: float, weights, qtypes, biases, k_caches, v_caches,
                   cos, sin, n_heads: int, n_kv_heads: int, head_dim: int, scale: float,
-                  act_bits: int = 16, tree=None) -> torch.Tensor:
+                  act_bits: int = 16, tree=None, part: int = 0) -> torch.Tensor:
     """One whole decoder layer in one call (see qmatmul.cpp): returns the new residual stream [T, d].
 
     The T rows are segments of one or more sequences: lens[s] rows at positions starts[s].., whose new keys
     and values go into k_caches[s]/v_caches[s] [n_kv_heads, max_len, head_dim]. weights/qtypes: the raw GGUF
     rows and type ids of wq, wk, wv, wo, w1 (gate), w3 (up), w2 (down); biases: [] or [bq, bk, bv];
     cos/sin: [T, head_dim] RoPE rows of the rows' positions. Batch-invariant like the rest.
-    tree: a token tree's key lists for one sequence (`TreeLayout.kernel_args`, see `attention`)."""
+    tree: a token tree's key lists for one sequence (`TreeLayout.kernel_args`, see `attention`).
+    part (tensor parallelism's all-reduce points): 1 runs the attention half and returns wo's output, 2 runs the
+    feed-forward half on x and returns down's output (each this rank's partial sum; x is not changed)."""
     keys, extra = tree if tree is not None else (None, None)
     return _ext_or_load().decoder_block(x, list(starts), list(lens), attn_norm, ffn_norm, eps, list(weights),
                                         list(qtypes), list(biases), list(k_caches), list(v_caches), cos, sin,
-                                        n_heads, n_kv_heads, head_dim, scale, act_bits, keys, extra)
+                                        n_heads, n_kv_heads, head_dim, scale, act_bits, keys, extra, part)

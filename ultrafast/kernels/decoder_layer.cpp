@@ -10,6 +10,8 @@
 // Stages (each split across the team; a barrier between dependent stages):
 //   rmsnorm -> prep(h) -> q,k,v -> bias, RoPE, cache write -> attention -> prep(att) -> wo -> residual,
 //   rmsnorm -> prep(h2) -> gate, up -> SiLU*up -> prep(g) -> down -> residual.
+// Under tensor parallelism (LayerArgs::part) the layer runs as its two halves, each ending at wo's or down's
+// output (a rank's partial sum): the caller all-reduces it and adds the residual between them.
 // Batch invariance is kept: every output element is computed by one thread with arithmetic that depends
 // only on its own row (the variant's prep and rows, its attention, and the per-row norm/RoPE loops below);
 // how rows, units or tasks are split between threads never changes an operation. Matmul stages split the
@@ -146,6 +148,8 @@ bool decoder_layer(const LayerArgs& a) {
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
     int64_t r0, r1;
+    // (a.part is the same for the whole team, so every thread meets the same barriers)
+    if (a.part != 2) {
     // 1. h = rmsnorm(x); prepare h for wq/wk/wv
     split(T, n, t, &r0, &r1);
     for (int64_t r = r0; r < r1; ++r) rmsnorm_row(x + r * d, a.attn_norm, d, a.eps, h + r * d);
@@ -215,14 +219,17 @@ bool decoder_layer(const LayerArgs& a) {
     prep(a.ops[3], a.qt[3], att, T, nq, xgp(3), n, t, a.x8);
 #pragma omp barrier
     {
-      const Mat m[1] = {{a.ops[3], a.w[3], a.rb[3], d, nq, a.qt[3], xgp(3), o}};
+      const Mat m[1] = {{a.ops[3], a.w[3], a.rb[3], d, nq, a.qt[3], xgp(3), a.part == 1 ? a.out : o}};
       ok = matmuls(m, 1, T, n, t, a.x8) && ok;
     }
 #pragma omp barrier
-    // 4. x += o; h = rmsnorm(x); prepare h for gate/up
+    }
+    if (a.part != 1) {
+    // 4. x += o (the whole layer); h = rmsnorm(x); prepare h for gate/up
     split(T, n, t, &r0, &r1);
     for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t i = 0; i < d; ++i) x[r * d + i] += o[r * d + i];
+      if (a.part == 0)
+        for (int64_t i = 0; i < d; ++i) x[r * d + i] += o[r * d + i];
       rmsnorm_row(x + r * d, a.ffn_norm, d, a.eps, h + r * d);
     }
 #pragma omp barrier
@@ -248,14 +255,15 @@ bool decoder_layer(const LayerArgs& a) {
     prep(a.ops[6], a.qt[6], g, T, f, xgp(6), n, t, a.x8);
 #pragma omp barrier
     {
-      const Mat m[1] = {{a.ops[6], a.w[6], a.rb[6], d, f, a.qt[6], xgp(6), o}};
+      const Mat m[1] = {{a.ops[6], a.w[6], a.rb[6], d, f, a.qt[6], xgp(6), a.part == 2 ? a.out : o}};
       ok = matmuls(m, 1, T, n, t, a.x8) && ok;
     }
 #pragma omp barrier
-    {
+    if (a.part == 0) {
       int64_t e0, e1;
       split(T * d, n, t, &e0, &e1);
       for (int64_t i = e0; i < e1; ++i) x[i] += o[i];
+    }
     }
   }
   return ok;

@@ -29,6 +29,11 @@ struct LayerArgs {
   const int64_t* tree_off;
   int nthreads;
   bool x8;  // int8 activations in the linears (else int16)
+  // Tensor parallelism's all-reduce points: 0 runs the whole layer; 1 runs the attention half and writes wo's
+  // output (this rank's partial sum) to `out` instead of adding it to x; 2 runs the feed-forward half on x (the
+  // residual stream, already reduced) and writes down's output to `out`. x is left alone by 1 and 2.
+  int part;
+  float* out;  // [T, d], with part 1 or 2
 };
 
 // Runs the layer; false if a kernel ran out of memory.

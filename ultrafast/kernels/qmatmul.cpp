@@ -224,8 +224,9 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
                             const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
                             const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads,
                             int64_t hd, double scale, int64_t act_bits, const c10::optional<torch::Tensor>& tree_keys,
-                            const c10::optional<torch::Tensor>& tree_extra) {
+                            const c10::optional<torch::Tensor>& tree_extra, int64_t part) {
   TORCH_CHECK_VALUE(act_bits == 16 || act_bits == 8, "decoder_block: act_bits must be 16 or 8, got ", act_bits);
+  TORCH_CHECK_VALUE(part >= 0 && part <= 2, "decoder_block: part must be 0 (the layer), 1 (attention) or 2 (ffn)");
   TORCH_CHECK_VALUE(w.size() == 7 && qt.size() == 7, "decoder_block: expected 7 linears");
   TORCH_CHECK_VALUE(bias_in.empty() || bias_in.size() == 3, "decoder_block: expected 0 or 3 biases");
   TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32 && x_in.device().is_cpu(),
@@ -312,8 +313,14 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
     a.tree_keys = tree_keys->data_ptr<int64_t>(), a.tree_extra = tree_extra->data_ptr<int32_t>();
     a.tree_off = toff.data();
   }
+  torch::Tensor out;
+  a.part = (int)part;
+  if (part != 0) {  // this rank's partial sum of wo's (1) or down's (2) output; x itself is left as it was
+    out = torch::empty({T, d}, x.options());
+    a.out = out.data_ptr<float>();
+  }
   TORCH_CHECK(decoder_layer(a), "decoder_block: out of memory");
-  return x;
+  return part == 0 ? x : out;
 }
 
 // 12 * iters * threads units per second when `threads` threads each run `chains(iters)` together, the best of
@@ -369,7 +376,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qt"), py::arg("bias"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"), py::arg("sin"),
         py::arg("n_heads"),
         py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("act_bits") = 16,
-        py::arg("tree_keys") = py::none(), py::arg("tree_extra") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("tree_keys") = py::none(), py::arg("tree_extra") = py::none(), py::arg("part") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("avx512_supported", &ultrafast::avx512_usable, "whether this CPU can run the AVX-512 path");
   m.def("avx512_active", &ultrafast::avx512_in_use, "whether the AVX-512 path is in use");
   m.def("set_force_scalar", &ultrafast::force_scalar, "force the portable scalar path (testing)");

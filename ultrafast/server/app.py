@@ -73,6 +73,7 @@ class ServerConfig:
     draft_head: str | None = "auto"  # a draft head file, "auto" (the one trained for the model file, if any) or "none"
     fixed_draft_k: int | None = None  # no draft policy: every ultrafast pass drafts this many (exactness checks)
     engine_factories: dict = field(default_factory=dict)  # name -> callable returning an Engine (tests)
+    tp: Any = None  # `serve --tp N`: this process is rank 0 (tensor_parallel.TensorParallel); one model
 
     @property
     def keys_required(self) -> bool:
@@ -106,7 +107,7 @@ class Server:
                               device=config.device, warmup=config.warmup, threads=config.threads,
                               activation_bits=config.activation_bits, drafters=config.drafters,
                               draft_model=config.draft_model, self_spec_layers=config.self_spec_layers,
-                              draft_head=config.draft_head, fixed_draft_k=config.fixed_draft_k,
+                              draft_head=config.draft_head, fixed_draft_k=config.fixed_draft_k, tp=config.tp,
                               engine_factory=config.engine_factories.get(name))
             for name, path in config.models}
 

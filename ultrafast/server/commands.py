@@ -54,6 +54,9 @@ def add_commands(sub) -> None:
     s.add_argument("--fixed-draft-k", type=int, default=None,
                    help="no draft policy: every ultrafast pass drafts K tokens, the drafters taking turns (an "
                         "exactness check; slower than the policy)")
+    s.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: launch with `torchrun --nproc-per-node N $(which ultrafast) serve "
+                        "--tp N ...`; rank 0 serves, the others run its passes (one --model)")
     s.add_argument("--no-warmup", action="store_true", help="skip measuring r(k) for the ultrafast tier at start")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=cmd_serve)
@@ -143,6 +146,19 @@ def cmd_serve(args) -> int:
     for m in args.model or [DEFAULT_MODEL]:
         path = resolve_model(m)
         models.append((model_name(m), path))
+    tp = None
+    if args.tp != 1:
+        from ..tensor_parallel import follow, init
+
+        if len(models) != 1:
+            raise ValueError("--tp serves one --model")
+        tp = init(args.tp, args.device or "cpu")
+        if not tp.leader:  # this rank runs the passes rank 0 sends, until it stops
+            from ..engine import Engine
+
+            follow(Engine.from_path(models[0][1], max_context=args.max_context, device=args.device,
+                                    activation_bits=args.activation_bits, tp=tp), tp)
+            return 0
     drafters = parse_drafters(args.drafters)
     if args.draft_model and len(models) != 1:
         raise ValueError("--draft-model drafts for one model: serve exactly one --model with it")
@@ -155,7 +171,7 @@ def cmd_serve(args) -> int:
                           threads=args.threads, activation_bits=args.activation_bits, drafters=drafters,
                           draft_model=resolve_model(args.draft_model) if args.draft_model else None,
                           self_spec_layers=args.self_spec_layers, draft_head=args.draft_head,
-                          fixed_draft_k=args.fixed_draft_k)
+                          fixed_draft_k=args.fixed_draft_k, tp=tp)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     srv = app.state.server

@@ -151,7 +151,7 @@ class ModelWorker:
                  limiter: RateLimiter, device: str | None = None, warmup: bool = True, threads: int | None = None,
                  activation_bits: int = 16, drafters: list[str] | None = None, draft_model=None,
                  self_spec_layers: str | None = None, engine_factory: Callable[[], Any] | None = None,
-                 draft_head: str | None = "auto", fixed_draft_k: int | None = None):
+                 draft_head: str | None = "auto", fixed_draft_k: int | None = None, tp=None):
         if slots < 1:
             raise ValueError("--slots must be at least 1")
         if max_queue < 1:
@@ -170,6 +170,7 @@ class ModelWorker:
         self.drafters, self.draft_model, self.self_spec_layers = drafters, draft_model, self_spec_layers
         self.draft_head, self.fixed_draft_k = draft_head, fixed_draft_k
         self._engine_factory = engine_factory
+        self.tp = tp  # `serve --tp`: this is rank 0; the other ranks follow its passes (tensor_parallel.py)
         self.engine = None
         self.logprobs_supported = False
         self._generations = self._batch = False
@@ -241,7 +242,9 @@ class ModelWorker:
         from ..engine import Engine
 
         engine = Engine.from_path(self.path, max_context=self.max_context, device=self.device,
-                                  activation_bits=self.activation_bits)
+                                  activation_bits=self.activation_bits, tp=self.tp)
+        if self.tp is not None:
+            engine.lead()
         if self.draft_model is not None:
             engine.attach_draft_model(Engine.from_path(self.draft_model, max_context=engine.max_context,
                                                        device=self.device, activation_bits=self.activation_bits))
@@ -282,6 +285,10 @@ class ModelWorker:
             with self._cond:
                 self._stopping = True
             self._abort_all("the model worker crashed")
+        finally:
+            mirror = getattr(getattr(self.engine, "model", None), "mirror", None)
+            if mirror is not None:  # serve --tp: the other ranks stop with this one
+                mirror.stop()
 
     def _loop(self) -> None:
         while True:
@@ -368,8 +375,7 @@ class ModelWorker:
             if src is not c and src.state == "active" and src.slot is not None and c.slot.cache.reusable_prefix(c.prompt_ids) < m:
                 # the sibling prefilled this prompt: copy its rows instead of recomputing them
                 s, d = src.slot.cache, c.slot.cache
-                d.k[:, :, :m] = s.k[:, :, :m]
-                d.v[:, :, :m] = s.v[:, :, :m]
+                d.copy_prefix_from(s, m)
                 d.tokens = list(c.prompt_ids[:m])
                 self.metrics.shared_prefill.labels(self.name).inc(m)
             c.cached_tokens = c.slot.cache.reusable_prefix(c.prompt_ids)
