@@ -3,83 +3,30 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+
+from ultrafast.server.process import ServeProcess, free_port  # noqa: F401 (free_port: for the tests)
 
 EXE = [sys.executable, "-m", "ultrafast.cli"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class ServerProcess(ServeProcess):
+    """`ultrafast serve --model M --db DB EXTRA...` on a free loopback port (ultrafast.server.process)."""
 
-
-class ServerProcess:
     def __init__(self, model: Path, db: str, log: Path, *extra: str, port: int | None = None):
-        self.model, self.db, self.log_path, self.extra = model, db, log, list(extra)
-        self.port = port or free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        self.model, self.db = model, db
+        super().__init__(["--model", str(model), "--db", str(db), "--log-level", "warning", *extra], log, port)
 
     @property
     def base_url(self) -> str:
         return self.url + "/v1"
 
     def start(self, timeout: float = 240) -> "ServerProcess":
-        cmd = EXE + ["serve", "--model", str(self.model), "--port", str(self.port), "--db", str(self.db),
-                     "--log-level", "warning"] + self.extra
-        self._log = open(self.log_path, "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.kill()
-        raise RuntimeError(f"server did not come up in {timeout} s:\n{self.log()}")
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-5000:]
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        """SIGKILL, no chance to clean up."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self, timeout: float = 20) -> int | None:
-        """SIGTERM (graceful), then SIGKILL if it hangs."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if not self._log.closed:
-            self._log.close()
-        return self.proc.returncode
+        super().start(timeout)
+        return self
 
 
 @pytest.fixture(scope="module")

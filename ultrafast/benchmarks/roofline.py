@@ -156,9 +156,11 @@ def model_facts(path) -> ModelFacts:
 def format_table(rows: list[Bound], tau: float, k: int) -> str:
     lines = [f"{'model':24}{'hardware':22}{'devices':>8}{'plain tok/s':>13}{'ultrafast':>11}{'r(k)':>6}  note",
              f"{'':24}{'':22}{'':>8}{'(bound)':>13}{f'tau {tau:g}':>11}{f'k {k}':>6}"]
+    def rate(v: float, width: int) -> str:
+        return f"{v:{width},.0f}" if v >= 100 else f"{v:{width}.2g}"
     for b in rows:
-        lines.append(f"{b.model[:23]:24}{b.hardware:22}{b.devices:8d}{b.tokens_per_s:13,.0f}"
-                     f"{b.ultrafast_tokens_per_s:11,.0f}{b.r_k:6.2f}  {b.note}")
+        lines.append(f"{b.model[:23]:24}{b.hardware:22}{b.devices:8d}{rate(b.tokens_per_s, 13)}"
+                     f"{rate(b.ultrafast_tokens_per_s, 11)}{b.r_k:6.2f}  {b.note}")
     return "\n".join(lines)
 
 
