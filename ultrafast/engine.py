@@ -30,7 +30,10 @@ class ContextOverflowError(ValueError):
     pass
 
 
-def _packed_tp(model, loaded, *, act_bits: int, tp, apply_tp):
+def _packed_tp(model, loaded, *, act_bits: int, tp):
+    """The packed transform, then this rank's share of it (tensor_parallel.py)."""
+    from .tensor_parallel import apply_tp
+
     return apply_tp(apply_packed(model, loaded, act_bits=act_bits), tp)
 
 
@@ -110,9 +113,7 @@ class Engine:
         if tp is not None:  # tensor parallelism (`tensor_parallel.py`): this rank's share of the packed layers
             if not packed:
                 raise ValueError("tensor parallelism slices packed weights: it needs the packed CPU kernels")
-            from .tensor_parallel import apply_tp
-
-            transform = partial(_packed_tp, act_bits=activation_bits, tp=tp, apply_tp=apply_tp)
+            transform = partial(_packed_tp, act_bits=activation_bits, tp=tp)
         return cls(loaded, build_model(loaded, device, transform), max_context=max_context, device=device)
 
     @classmethod
@@ -223,7 +224,7 @@ class Engine:
     def _agree(self, measured):
         """A measurement that steers decoding (the draft policy's costs): under tensor parallelism every rank
         takes rank 0's, so that all run the same passes."""
-        tp = getattr(self.model, "tp", None)
+        tp = self.model.tp
         if tp is None or self.model.mirror is not None:  # serve --tp: the other ranks only follow rank 0's passes
             return measured
         return tp.agree(measured)

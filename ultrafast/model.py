@@ -133,6 +133,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = c
         self.kv_config = c  # what the KV cache holds (tensor parallelism: this rank's heads)
+        self.tp = None  # tensor parallelism: this rank's place (tensor_parallel.apply_tp sets it)
         self.mirror = None  # `serve --tp`: rank 0 sends every pass to the other ranks first (tensor_parallel.py)
         self.tok_embeddings = embedding
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
