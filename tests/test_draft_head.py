@@ -52,3 +52,26 @@ def test_the_packed_head_drafts_what_the_fp32_head_does(tiny_head, smollm_engine
     b = packed.logits(packed.mix(emb, feats))
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
     assert packed.nbytes_per_token() * 3 < dense.nbytes_per_token()
+
+
+def test_tokens_enter_at_unit_rms_and_older_heads_still_load(tiny_head, smollm_engine, smollm_path, tmp_path):
+    """A trained head carries 1 / the RMS of the target's embedding rows and mixes the scaled token in; a head
+    saved before the scale existed loads with scale 1 (what it was trained with)."""
+    _, path = tiny_head
+    sha = file_sha256(smollm_path)
+    head = load_head(path, smollm_engine.model, sha, pack=False)
+    rows = smollm_engine.model.tok_embeddings(torch.arange(0, smollm_engine.config.vocab_size, 7)).float()
+    assert float(head.emb_scale) == pytest.approx(1.0 / float(rows.pow(2).mean().sqrt()), rel=0.05)
+    assert float(head.emb_scale) > 5.0  # SmolLM2's rows are small (RMS ~0.13)
+    blob = read_head_file(path)
+    del blob["state"]["emb_scale"]
+    old = tmp_path / "old.head.pt"
+    torch.save(blob, old)
+    older = load_head(old, smollm_engine.model, sha, pack=False)
+    assert float(older.emb_scale) == 1.0
+    emb, feats = rows[:4], torch.randn(4, smollm_engine.config.dim)
+    assert not torch.allclose(older.mix(emb, feats), head.mix(emb, feats))
+    blob["state"].pop("fc.weight")
+    torch.save(blob, tmp_path / "broken.head.pt")
+    with pytest.raises(DraftHeadError, match="missing"):
+        load_head(tmp_path / "broken.head.pt", smollm_engine.model, sha)

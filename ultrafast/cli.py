@@ -296,6 +296,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="also write the table as JSON to this file, and a picture beside it (.png)")
     s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.spec_bench", fromlist=["main"]).main(a))
 
+    s = sub.add_parser("acceptance", help="how often each drafter is right, depth by depth, on the target's own "
+                                          "greedy answers to Spec-Bench (chains and the head's trees)")
+    s.add_argument("--model", default=DEFAULT_MODEL)
+    s.add_argument("--draft-head", default="auto", help=DRAFT_HEAD_HELP)
+    s.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default ../shared/data/spec_bench)")
+    s.add_argument("--per-category", type=int, default=5, help="questions per category (default 5)")
+    s.add_argument("--all", action="store_true", help="all 480 questions")
+    s.add_argument("--max-tokens", type=int, default=128, help="tokens of each greedy answer (default 128)")
+    s.add_argument("--depth", type=int, default=5, help="chain length asked of each drafter (default 5)")
+    s.add_argument("--nodes", default="4,8,16", help="the head's tree budgets, comma-separated (default 4,8,16)")
+    s.add_argument("--stride", type=int, default=1, help="draft at every Nth position (default 1: every one)")
+    s.add_argument("--batch", type=int, default=16, help="answers generated together (default 16)")
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--max-context", type=int, default=4096)
+    s.add_argument("--json", help="also write the figures as JSON to this file, and a picture beside it (.png)")
+    s.set_defaults(fn=lambda a: __import__("ultrafast.benchmarks.acceptance", fromlist=["main"]).main(a))
+
     s = sub.add_parser("agentbench", help="an agent loop editing one file: what prompt lookup and suffix decoding earn")
     s.add_argument("--model", default=DEFAULT_MODEL)
     s.add_argument("--draft-model", default=None)
@@ -400,11 +417,16 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
              "ffn_dim": "the head's FFN width (0: the target's, at most 3x its width)",
              "code_share": "share of training tokens from standard-library Python code",
              "heldout": "held-out conversations for the report", "reg_weight": "weight of the feature loss",
-             "seed": "data order and initialisation", "bf16": "train under bf16 autocast (1) or fp32 (0)"}
+             "seed": "data order and initialisation", "bf16": "train under bf16 autocast (1) or fp32 (0)",
+             "source": "text: the corpus as written; greedy: its prompts continued by the target's own greedy "
+                       "tokens (what the tier verifies at temperature 0; code-share is then a share of prompts)",
+             "gen_batch": "prompts continued together in batched passes (source greedy)"}
     for f in fields(Recipe):
-        kind = {"int": int, "float": float, "bool": lambda v: bool(int(v))}[f.type if isinstance(f.type, str) else f.type.__name__]
+        kind = {"int": int, "float": float, "str": str,
+                "bool": lambda v: bool(int(v))}[f.type if isinstance(f.type, str) else f.type.__name__]
+        extra = {"choices": Recipe.SOURCES} if f.name == "source" else {}
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
-                       help=f"{helps[f.name]} (default {f.default})")
+                       help=f"{helps[f.name]} (default {f.default})", **extra)
 
 
 def cmd_train_draft(args) -> int:

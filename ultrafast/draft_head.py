@@ -66,6 +66,9 @@ class DraftHead(nn.Module):
         # times the others, which would drown the rest after the head's first norm); set from training data
         self.register_buffer("feat_mean", torch.zeros(c.dim))
         self.register_buffer("feat_std", torch.ones(c.dim))
+        # token embeddings enter at unit RMS: the target's are small (SmolLM2 ~0.13, Qwen2.5-1.5B ~0.017) beside
+        # the standardized features, and the head learned to read the token many times slower at their scale
+        self.register_buffer("emb_scale", torch.ones(()))
         d, hd = c.dim, c.head_dim
         # trained
         self.fc = nn.Linear(2 * d, d, bias=False)
@@ -88,7 +91,8 @@ class DraftHead(nn.Module):
         self._rope = (torch.empty(0, hd), torch.empty(0, hd))
         self.reset_parameters()
 
-    TRAINED = ("feat_mean", "feat_std", "fc", "attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w3", "w2")
+    OPTIONAL = ("emb_scale",)  # absent from heads saved before it existed: 1 (their training had none)
+    TRAINED = ("feat_mean", "feat_std", "emb_scale", "fc", "attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w3", "w2")
 
     def reset_parameters(self, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -113,6 +117,13 @@ class DraftHead(nn.Module):
             self.feat_mean.copy_(x.mean(0))
             self.feat_std.copy_(x.std(0).clamp_min(1e-3))
 
+    def set_embedding_scale(self, model) -> None:
+        """1 / the RMS of the target's token embedding rows (a spread sample of them)."""
+        V = self.config.vocab_size
+        rows = model.tok_embeddings(torch.arange(0, V, max(1, V // 8192))).float()
+        with torch.no_grad():
+            self.emb_scale.fill_(1.0 / float(rows.pow(2).mean().sqrt().clamp_min(1e-6)))
+
     def trained_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.state_dict().items() if k.split(".")[0] in self.TRAINED}
 
@@ -135,7 +146,7 @@ class DraftHead(nn.Module):
     def mix(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
         """[T, D] token embeddings and [T, D] features (raw target features or the head's own predictions)."""
         z = ((feat - self.feat_mean) / self.feat_std).clamp(-FEATURE_CLIP, FEATURE_CLIP)
-        return self.fc(torch.cat([emb, z], dim=-1))
+        return self.fc(torch.cat([emb * self.emb_scale, z], dim=-1))
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         c, T = self.config, x.shape[0]
@@ -278,7 +289,7 @@ def load_head(path: str | Path, model, target_sha256: str, pack: bool | None = N
         raise DraftHeadError(f"{path}: the head's shapes do not match the model")
     head = DraftHead(c, blob["draft_vocab"].long())
     missing, unexpected = head.load_state_dict(blob["state"], strict=False)
-    if unexpected or any(k.split(".")[0] in DraftHead.TRAINED for k in missing):
+    if unexpected or any(k.split(".")[0] in DraftHead.TRAINED and k not in DraftHead.OPTIONAL for k in missing):
         raise DraftHeadError(f"{path}: weights missing or unexpected ({missing + unexpected})")
     head.attach_target(model)
     head.meta = {k: json.loads(blob[k]) for k in ("recipe", "data", "report")}

@@ -8,7 +8,8 @@ import torch
 
 from ultrafast.draft_head import read_head_file
 from ultrafast.training import Recipe, train_draft
-from ultrafast.training.corpus import build_corpus, parse_conversations
+from ultrafast.training.corpus import build_corpus, build_prompts, parse_conversations
+from ultrafast.training.features import continue_greedily, extract, sequence_features
 
 
 def test_a_tiny_head_learns_and_beats_an_untrained_one(tiny_head):
@@ -76,7 +77,67 @@ def test_corpus_holds_out_conversations_and_cuts_sequences(smollm_engine):
     assert again.train == c.train  # a fixed order: a resumed run sees the same data
 
 
-@pytest.mark.parametrize("bad", [{"tokens": 0}, {"seq_len": 8}, {"lr": 0.0}, {"epochs": 0}, {"draft_vocab": -1}])
+def test_prompts_are_first_turns_held_out_as_the_text_corpus(smollm_engine):
+    from tests.conftest import docstring_conversations
+
+    convs = docstring_conversations()
+    tok = smollm_engine.tokenizer
+    kw = dict(tokens=3200, seq_len=128, code_share=0.25, heldout=5, seed=1, conversations=convs)
+    p = build_prompts(tok, **kw)
+    text = build_corpus(tok, **kw)
+    assert all(8 <= len(s) <= 64 for s in p.train + p.heldout)
+    n_code = sum("Continue the Python module" in tok.decode(s) for s in p.train)
+    # 3200 // 32 + 16 prompts asked for, a quarter of them code (fewer where no opening lines fit 64 tokens)
+    assert len(p.train) - n_code == 87 and 10 <= n_code <= 29
+    # the held-out prompts open the held-out conversations of the text corpus
+    assert [s[:len(q) - 4] for s, q in zip(text.heldout, p.heldout)] == [q[:-4] for q in p.heldout]
+    assert not {tuple(s) for s in p.heldout} & {tuple(s) for s in p.train}
+
+
+def test_greedy_continuations_are_the_targets_own_and_do_not_depend_on_the_batch(smollm_engine, tmp_path):
+    """Continued in batched one-row passes, each sequence is the target's greedy text, and its features and
+    labels equal one forward over the whole sequence, bit for bit; the shards are the same whatever the batch."""
+    tok = smollm_engine.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_bos=False)
+               for q in ("What is a list?", "Name three colours.", "Why is the sky blue?")]
+    got = dict(continue_greedily(smollm_engine, enumerate(prompts), 48, batch=2))
+    assert sorted(got) == [0, 1, 2]
+    for ids, (tokens, feats, greedy) in zip(prompts, [got[i] for i in range(3)]):
+        n = len(ids)
+        assert tokens[:n].tolist() == ids and tokens.numel() <= 48
+        assert torch.equal(tokens[n:], greedy[n - 1:-1])  # every continued token is the target's argmax
+        assert tokens.numel() == 48 or int(greedy[-1]) in tok.eos_ids
+        f, g = sequence_features(smollm_engine, tokens.tolist(), smollm_engine.new_cache())
+        assert torch.equal(f, feats) and torch.equal(g.to(torch.int32), greedy)
+    one = extract(smollm_engine, prompts, tmp_path / "b1", "x", continue_to=48, batch=1)
+    three = extract(smollm_engine, prompts, tmp_path / "b3", "x", continue_to=48, batch=3)
+    for a, b in ((one.tokens, three.tokens), (one.feats, three.feats), (one.greedy, three.greedy)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    again = extract(smollm_engine, prompts, tmp_path / "b1", "x", continue_to=48, batch=2)  # read back
+    assert all(torch.equal(x, y) for x, y in zip(again.feats, one.feats))
+    with pytest.raises(ValueError, match="other sequences"):
+        extract(smollm_engine, prompts[::-1], tmp_path / "b1", "x", continue_to=48)
+    with pytest.raises(ValueError, match="nothing to continue"):
+        extract(smollm_engine, prompts, tmp_path / "short", "x", continue_to=len(prompts[0]))
+
+
+def test_a_tiny_head_trains_on_the_targets_own_continuations(smollm_path, tmp_path):
+    from tests.conftest import docstring_conversations
+
+    recipe = Recipe(tokens=3000, seq_len=160, epochs=2, depth=2, lr=2e-3, batch_tokens=384, draft_vocab=2048,
+                    code_share=0.3, heldout=6, source="greedy", gen_batch=8)
+    report = train_draft(str(smollm_path), recipe, out=tmp_path / "head.pt", work_dir=tmp_path / "work",
+                         stream=io.StringIO(), conversations=docstring_conversations())
+    assert report["source"] == "greedy" and 3000 <= report["train_tokens"] < 3000 + 16384
+    assert report["heldout_tokens"] > 6 * 60  # six held-out prompts and their continuations
+    assert report["loss_last"] < 0.8 * report["loss_first"]
+    trained, untrained = report["heldout"], report["heldout_untrained"]
+    assert trained["acceptance_by_depth"][0] > untrained["acceptance_by_depth"][0] + 0.1
+    assert "continued by" in json.loads(read_head_file(tmp_path / "head.pt")["data"])["sharegpt"]
+
+
+@pytest.mark.parametrize("bad", [{"tokens": 0}, {"seq_len": 8}, {"lr": 0.0}, {"epochs": 0}, {"draft_vocab": -1},
+                                 {"source": "web"}, {"gen_batch": 0}])
 def test_bad_recipes_are_refused(bad):
     with pytest.raises(ValueError):
         Recipe(**bad).validate()
@@ -88,3 +149,6 @@ def test_train_draft_cli_refuses_bad_values(capsys):
     assert main(["train-draft", "--model", "smollm2-135m", "--epochs", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "epochs" in err
+    with pytest.raises(SystemExit) as e:
+        main(["train-draft", "--model", "smollm2-135m", "--source", "web"])
+    assert e.value.code == 2 and "--source" in capsys.readouterr().err

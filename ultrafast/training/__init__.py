@@ -38,9 +38,15 @@ class Recipe:
     reg_weight: float = 1.0
     seed: int = 0
     bf16: bool = True  # train under bf16 autocast (twice fp32's speed on CPUs with AVX512-BF16)
+    source: str = "text"  # "text": the corpus as written; "greedy": its prompts continued by the target itself
+    gen_batch: int = 16  # prompts continued together (source greedy); the data does not depend on it
+
+    SOURCES = ("text", "greedy")
 
     def validate(self) -> None:
-        for name in ("tokens", "seq_len", "epochs", "depth", "batch_tokens", "heldout"):
+        if self.source not in self.SOURCES:
+            raise ValueError(f"source must be one of {', '.join(self.SOURCES)}, got {self.source!r}")
+        for name in ("tokens", "seq_len", "epochs", "depth", "batch_tokens", "heldout", "gen_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
         if self.seq_len < 32:
@@ -50,15 +56,21 @@ class Recipe:
         if self.draft_vocab < 0 or self.ffn_dim < 0:
             raise ValueError("draft-vocab and ffn-dim must be >= 0")
 
-    DATA = ("tokens", "seq_len", "code_share", "heldout", "seed")  # what the features depend on
+    DATA = ("tokens", "seq_len", "code_share", "heldout", "seed", "source")  # what the features depend on
+
+    TRAINING_VERSION = 2  # raised when training changes what a checkpoint holds (2: the embedding scale)
 
     def key(self) -> str:
-        """Identifies the training checkpoint a run may resume from (every field)."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        """Identifies the training checkpoint a run may resume from (every field, and the training's version)."""
+        blob = {**asdict(self), "training_version": self.TRAINING_VERSION}
+        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
 
     def data_key(self) -> str:
         """Identifies the feature shards (the data fields only: runs that differ in training reuse them)."""
-        return hashlib.sha256(json.dumps({k: getattr(self, k) for k in self.DATA}, sort_keys=True).encode()).hexdigest()[:12]
+        data = {k: getattr(self, k) for k in self.DATA}
+        if data["source"] == "text":  # as before there was a choice: earlier runs' shards stay valid
+            del data["source"]
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
     def ffn_for(self, dim: int, ffn_dim: int) -> int:
         return self.ffn_dim or min(ffn_dim, 3 * dim)
@@ -101,7 +113,7 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
     from ..draft_head import DraftHead, HeadConfig, file_sha256, head_path_for, heads_dir, save_head
     from ..engine import Engine
     from ..pull import resolve_model
-    from .corpus import build_corpus
+    from .corpus import build_corpus, build_prompts
     from .features import extract
     from .trainer import evaluate, lr_at, sequence_loss
 
@@ -120,21 +132,30 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
         ckpt.unlink(missing_ok=True)
     work.mkdir(parents=True, exist_ok=True)
 
-    corpus = build_corpus(engine.tokenizer, tokens=recipe.tokens, seq_len=recipe.seq_len,
-                          code_share=recipe.code_share, heldout=recipe.heldout, seed=recipe.seed,
-                          conversations=conversations)
-    n_train = sum(map(len, corpus.train))
-    n_held = sum(map(len, corpus.heldout))
-    _say(stream, f"train-draft: {path.name} (sha256 {sha[:16]}...), {len(corpus.train)} sequences / {n_train} "
-                 f"tokens to train on, {len(corpus.heldout)} / {n_held} held out; work dir {work}")
+    greedy = recipe.source == "greedy"
+    build = build_prompts if greedy else build_corpus
+    corpus = build(engine.tokenizer, tokens=recipe.tokens, seq_len=recipe.seq_len, code_share=recipe.code_share,
+                   heldout=recipe.heldout, seed=recipe.seed, conversations=conversations)
+    if greedy:  # the continuations' lengths are the target's: the budget bounds the training side
+        total = recipe.tokens + recipe.seq_len * len(corpus.heldout)
+        _say(stream, f"train-draft: {path.name} (sha256 {sha[:16]}...), ~{recipe.tokens} tokens of the target's own "
+                     f"greedy continuations to train on, {len(corpus.heldout)} held-out prompts; work dir {work}")
+    else:
+        total = sum(map(len, corpus.train)) + sum(map(len, corpus.heldout))
+        _say(stream, f"train-draft: {path.name} (sha256 {sha[:16]}...), {len(corpus.train)} sequences / "
+                     f"{sum(map(len, corpus.train))} tokens to train on, {len(corpus.heldout)} / "
+                     f"{sum(map(len, corpus.heldout))} held out; work dir {work}")
+    gen = {"continue_to": recipe.seq_len, "batch": recipe.gen_batch} if greedy else {}
 
     t0 = time.perf_counter()
-    bar = tqdm(total=n_train + n_held, unit="tok", desc="target features", file=stream, dynamic_ncols=True,
-               mininterval=1.0)
-    train_f = extract(engine, corpus.train, features_dir, "train", bar.update)
-    held_f = extract(engine, corpus.heldout, features_dir, "heldout", bar.update)
+    bar = tqdm(total=total, unit="tok", desc="target features", file=stream, dynamic_ncols=True, mininterval=1.0)
+    train_f = extract(engine, corpus.train, features_dir, "train", bar.update,
+                      budget=recipe.tokens if greedy else None, **gen)
+    held_f = extract(engine, corpus.heldout, features_dir, "heldout", bar.update, **gen)
     bar.close()
     feature_s = time.perf_counter() - t0
+    n_train = sum(t.numel() for t in train_f.tokens)
+    n_held = sum(t.numel() for t in held_f.tokens)
 
     V = engine.config.vocab_size
     counts = torch.bincount(torch.cat(train_f.greedy), minlength=V)
@@ -144,6 +165,7 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
     head.attach_target(engine.model)
     head.reset_parameters(recipe.seed)
     head.set_feature_stats(train_f.feats)
+    head.set_embedding_scale(engine.model)
 
     def embed(tokens):
         return engine.model.tok_embeddings(tokens).float()
@@ -231,7 +253,7 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
         "model": path.name, "target_sha256": sha,
         "feature_seconds": round(feature_s, 1), "train_seconds": round(train_s, 1),
         "total_seconds": round(time.perf_counter() - t_start, 1),
-        "train_tokens": n_train, "heldout_tokens": n_held, "steps": len(plan),
+        "source": recipe.source, "train_tokens": n_train, "heldout_tokens": n_held, "steps": len(plan),
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
         "loss_by_epoch": [round(sum(losses[a:b]) / max(1, len(losses[a:b])), 4)
                           for a, b in zip([0] + epoch_ends[:-1], epoch_ends)],

@@ -4,6 +4,11 @@ For every sequence the target (the packed engine users serve with) runs one forw
 its last-layer hidden state before the final norm (bf16) and its greedy next token (the argmax of its own
 logits: the label of self-distillation). Shards of about `SHARD_TOKENS` are written as they fill, so an
 interrupted run resumes after the last complete shard.
+
+With `continue_to`, the sequences are prompts and the target writes the rest itself: each prompt is continued
+by its own greedy tokens (the text the ultrafast tier verifies at temperature 0), `batch` prompts at a time in
+batched one-row passes (`Engine.forward_batch`), whose rows are bit-identical to running each sequence alone,
+so the data does not depend on the batch size.
 """
 
 from __future__ import annotations
@@ -33,44 +38,149 @@ def sequence_features(engine, ids: list[int], cache) -> tuple[torch.Tensor, torc
     return h.to(torch.bfloat16), greedy
 
 
-def extract(engine, seqs: list[list[int]], directory: Path, label: str, progress=None) -> Features:
+class _Continuation:
+    """One prompt being continued: its tokens so far, per-row features and greedy labels, and its cache."""
+
+    def __init__(self, index: int, ids: list[int], engine):
+        self.index, self.cache, self.prompt_len = index, engine.new_cache(), len(ids)
+        f, g = sequence_features(engine, ids, self.cache)
+        self.tokens, self.feats, self.greedy = list(ids), [f], [g]
+
+    def next_token(self) -> int:
+        return int(self.greedy[-1][-1])
+
+    def result(self):
+        return (torch.tensor(self.tokens, dtype=torch.int32), torch.cat(self.feats),
+                torch.cat(self.greedy).to(torch.int32))
+
+
+@torch.inference_mode()
+def continue_greedily(engine, prompts, length: int, batch: int = 16, progress=None, new_tokens: int | None = None):
+    """Yields (index, (tokens [T] int32, features [T, D] bf16, greedy [T] int32)) for each (index, prompt ids) of
+    the iterable `prompts`, continued by the target's greedy tokens until `length` tokens, `new_tokens` tokens
+    generated (the last one only as a label) or an end token, in the order they finish. At most `batch` are continued at once, in batched one-row passes; a finished one's
+    place goes to the next prompt. The last greedy label (the token not fed back) belongs to the last row."""
+    eos = engine.tokenizer.eos_ids
+    prompts = iter(prompts)
+    live: list[_Continuation] = []
+
+    def done(c):
+        return len(c.tokens) >= length or c.next_token() in eos or \
+            (new_tokens is not None and len(c.tokens) - c.prompt_len + 1 >= new_tokens)
+
+    while True:
+        while len(live) < batch:
+            nxt = next(prompts, None)
+            if nxt is None:
+                break
+            index, ids = nxt
+            if len(ids) >= length:
+                raise ValueError(f"a prompt of {len(ids)} tokens leaves nothing to continue within {length}")
+            c = _Continuation(index, ids, engine)
+            if progress:
+                progress(len(ids))
+            if done(c):
+                yield c.index, c.result()
+            else:
+                live.append(c)
+        if not live:
+            return
+        rows = [([c.next_token()], len(c.tokens), c.cache) for c in live]
+        logits, h = engine.forward_batch(rows, hidden=True)
+        nxt_tok = logits.argmax(-1)
+        for j, c in enumerate(live):
+            c.tokens.append(rows[j][0][0])
+            c.feats.append(h[j:j + 1].to(torch.bfloat16))
+            c.greedy.append(nxt_tok[j:j + 1])
+        if progress:
+            progress(len(live))
+        for c in [c for c in live if done(c)]:
+            live.remove(c)
+            yield c.index, c.result()
+
+
+def _save_shard(path: Path, first: int, done: list) -> dict:
+    blob = {"first": first, "tokens": [t for t, _, _ in done], "feats": [f for _, f, _ in done],
+            "greedy": [g for _, _, g in done]}
+    tmp = path.with_suffix(".tmp")
+    torch.save(blob, tmp)
+    tmp.replace(path)
+    return blob
+
+
+def extract(engine, seqs: list[list[int]], directory: Path, label: str, progress=None, *, continue_to: int = 0,
+            budget: int | None = None, batch: int = 16) -> Features:
     """Features of `seqs`, in shards `directory/label-NNNNN.pt`; shards already there (an earlier, interrupted
-    run over the same sequences) are read back instead of recomputed. `progress(n_tokens)` after each one."""
+    run over the same sequences) are read back instead of recomputed. `progress(n_tokens)` as tokens are done.
+    continue_to > 0: `seqs` are prompts, each continued greedily to that many tokens (module docstring), `batch`
+    at a time. budget: no sequence is taken once the ones before it hold this many tokens (None: all)."""
     directory.mkdir(parents=True, exist_ok=True)
     out = Features([], [], [])
-    cache = engine.new_cache()
-    i, shard = 0, 0
-    while i < len(seqs):
+    i, shard, held = 0, 0, 0
+
+    def take(blob):
+        nonlocal i, shard, held
+        out.tokens.extend(t.long() for t in blob["tokens"])
+        out.feats.extend(blob["feats"])
+        out.greedy.extend(g.long() for g in blob["greedy"])
+        held += sum(t.numel() for t in blob["tokens"])
+        i += len(blob["tokens"])
+        shard += 1
+
+    def wanted():
+        return i < len(seqs) and (budget is None or held < budget)
+
+    while wanted() and (directory / f"{label}-{shard:05d}.pt").is_file():  # an earlier run's shards
         path = directory / f"{label}-{shard:05d}.pt"
-        if path.is_file():
-            blob = torch.load(path, weights_only=True)
-            n = len(blob["tokens"])
-            if blob.get("first") != i or [t.tolist() for t in blob["tokens"]] != seqs[i:i + n]:
-                raise ValueError(f"{path} holds other sequences: remove {directory} (or pass --restart)")
-            if progress:
-                progress(sum(t.numel() for t in blob["tokens"]))
-        else:
-            toks, feats, greedy, n_tok = [], [], [], 0
-            while i + len(toks) < len(seqs) and n_tok < SHARD_TOKENS:
-                ids = seqs[i + len(toks)]
+        blob = torch.load(path, weights_only=True)
+        n = len(blob["tokens"])
+        stored = [t.tolist() for t in blob["tokens"]]
+        if continue_to:
+            stored = [t[:len(p)] for t, p in zip(stored, seqs[i:i + n])]
+        if blob.get("first") != i or stored != seqs[i:i + n]:
+            raise ValueError(f"{path} holds other sequences: remove {directory} (or pass --restart)")
+        if progress:
+            progress(sum(t.numel() for t in blob["tokens"]))
+        take(blob)
+    if not wanted():
+        return out
+
+    pending: list = []  # finished sequences in order from index i on, not yet in a shard
+    if continue_to:
+        def prompts():  # handed out until the sequences already in order hold the budget
+            for k in range(i, len(seqs)):
+                if budget is not None and held + sum(t.numel() for t, _, _ in pending) >= budget:
+                    return
+                yield k, seqs[k]
+
+        stream = continue_greedily(engine, prompts(), min(continue_to, engine.max_context), batch, progress)
+    else:
+        cache = engine.new_cache()
+
+        def plain():
+            for k in range(i, len(seqs)):
+                ids = seqs[k]
                 if len(ids) >= engine.max_context:
                     raise ValueError(f"a sequence of {len(ids)} tokens does not fit the context {engine.max_context}")
                 f, g = sequence_features(engine, ids, cache)
-                toks.append(torch.tensor(ids, dtype=torch.int32))
-                feats.append(f)
-                greedy.append(g.to(torch.int32))
-                n_tok += len(ids)
                 if progress:
                     progress(len(ids))
-            blob = {"first": i, "tokens": toks, "feats": feats, "greedy": greedy}
-            tmp = path.with_suffix(".tmp")
-            torch.save(blob, tmp)
-            tmp.replace(path)
-            n = len(toks)
-        out.tokens += [t.long() for t in blob["tokens"]]
-        out.feats += list(blob["feats"])
-        out.greedy += [g.long() for g in blob["greedy"]]
-        i += n
-        shard += 1
-    return out
+                yield k, (torch.tensor(ids, dtype=torch.int32), f, g.to(torch.int32))
 
+        stream = plain()
+    finished: dict = {}  # finished out of order (continuations end in the order of their lengths)
+    for k, result in stream:
+        finished[k] = result
+        while i + len(pending) in finished:
+            pending.append(finished.pop(i + len(pending)))
+            n_tok = sum(t.numel() for t, _, _ in pending)
+            last = i + len(pending) >= len(seqs) or (budget is not None and held + n_tok >= budget)
+            if n_tok >= SHARD_TOKENS or last:
+                take(_save_shard(directory / f"{label}-{shard:05d}.pt", i, pending))
+                pending = []
+                if last:
+                    stream.close()
+                    return out
+    if pending:
+        take(_save_shard(directory / f"{label}-{shard:05d}.pt", i, pending))
+    return out
