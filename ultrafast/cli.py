@@ -420,11 +420,14 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
              "seed": "data order and initialisation", "bf16": "train under bf16 autocast (1) or fp32 (0)",
              "source": "text: the corpus as written; greedy: its prompts continued by the target's own greedy "
                        "tokens (what the tier verifies at temperature 0; code-share is then a share of prompts)",
-             "gen_batch": "prompts continued together in batched passes (source greedy)"}
+             "gen_batch": "prompts continued together in batched passes (source greedy)",
+             "features": "the training features' forward: bf16 (bf16 weights, PyTorch's bf16 matmul, ~2x faster) "
+                         "or packed (the engine's own kernels); held-out features are always the engine's"}
     for f in fields(Recipe):
         kind = {"int": int, "float": float, "str": str,
                 "bool": lambda v: bool(int(v))}[f.type if isinstance(f.type, str) else f.type.__name__]
-        extra = {"choices": Recipe.SOURCES} if f.name == "source" else {}
+        extra = {"choices": {"source": Recipe.SOURCES, "features": Recipe.FEATURES}[f.name]} \
+            if f.name in ("source", "features") else {}
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
                        help=f"{helps[f.name]} (default {f.default})", **extra)
 

@@ -96,20 +96,34 @@ class Engine:
 
     @classmethod
     def from_path(cls, path: str | Path, *, max_context: int | None = None, device: str | None = None,
-                  packed: bool | None = None, activation_bits: int = 16, tp=None) -> "Engine":
+                  packed: bool | None = None, activation_bits: int = 16, tp=None, bf16: bool = False) -> "Engine":
         """packed: keep weights packed and use the batch-invariant CPU kernels (default on CPU when they build);
         False is the reference path (weights dequantized to fp32 `nn.Linear`, PyTorch ops).
+        bf16: the reference path with bf16 weights and PyTorch's bf16 matmul (bf16.py: fast on many rows, not
+        exact; for bulk work such as a draft head's training features, never for serving).
         activation_bits: 16 (default), or 8 (llama.cpp's activation precision, twice the multiply rate in
         prefill and verification; needs the packed AVX512-VNNI kernels). Both tiers use the same."""
         if activation_bits not in (16, 8):
             raise ValueError(f"activation_bits must be 16 or 8, got {activation_bits!r}")
+        return cls.from_loaded(load(path), max_context=max_context, device=device, packed=packed,
+                               activation_bits=activation_bits, tp=tp, bf16=bf16)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, *, max_context: int | None = None, device: str | None = None,
+                    packed: bool | None = None, activation_bits: int = 16, tp=None, bf16: bool = False) -> "Engine":
+        """An engine over a file already loaded (`from_path`'s options); several engines may share one load."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if packed is None:
-            packed = device == "cpu" and kernels.available()
+            packed = not bf16 and device == "cpu" and kernels.available()
+        if bf16 and (packed or activation_bits != 16 or tp is not None):
+            raise ValueError("bf16 weights are the reference path's: not with packed kernels, activation_bits or tp")
         if activation_bits == 8 and not (packed and kernels.vnni_supported()):
             raise ValueError("8-bit activations need the packed AVX512-VNNI CPU kernels, which this run lacks")
-        loaded = load(path)
         transform = partial(apply_packed, act_bits=activation_bits) if packed else None
+        if bf16:
+            from .bf16 import apply_bf16
+
+            transform = apply_bf16
         if tp is not None:  # tensor parallelism (`tensor_parallel.py`): this rank's share of the packed layers
             if not packed:
                 raise ValueError("tensor parallelism slices packed weights: it needs the packed CPU kernels")
@@ -172,6 +186,10 @@ class Engine:
             if packed[0].act_bits == 8:
                 path = path.replace("int16", "int8")
             return f"packed, {fused}, {path}"
+        from .bf16 import BF16Linear
+
+        if any(isinstance(m, BF16Linear) for m in self.model.modules()):
+            return "reference, bf16 weights (PyTorch bf16 matmul)"
         return "reference (fp32 nn.Linear)"
 
     # ---------------------------------------------------------------- prompts

@@ -48,6 +48,9 @@ class AttentionCore(nn.Module):
         end = start_pos + T
         k = k_cache[:, :end].repeat_interleave(H // k_cache.shape[0], dim=0)
         v = v_cache[:, :end].repeat_interleave(H // v_cache.shape[0], dim=0)
+        if tree is None and start_pos == 0:  # a sequence from its start: the plain causal mask, PyTorch's fused path
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=scale)
+            return out.transpose(0, 1)
         if tree is not None:
             mask = tree.mask.to(q.device)
         else:

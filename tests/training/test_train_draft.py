@@ -51,6 +51,38 @@ def test_a_finished_run_resumes_from_its_shards_and_checkpoint(tiny_head, smollm
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_training_features_come_from_the_bf16_forward_and_held_out_ones_from_the_engine(tiny_head, smollm_engine):
+    """The default recipe's training shards hold the bf16 forward's features (bf16.py: near the engine's, not
+    equal); the held-out shards hold the engine's own, bit for bit, as the head reads them when drafting."""
+    from ultrafast.engine import Engine
+
+    _, path = tiny_head
+    (fdir,) = (path.parent / "work").glob("features-*")
+    train = torch.load(fdir / "train-00000.pt", weights_only=True)
+    held = torch.load(fdir / "heldout-00000.pt", weights_only=True)
+    for ids, feats, greedy in zip(held["tokens"], held["feats"], held["greedy"]):
+        f, g = sequence_features(smollm_engine, ids.tolist(), smollm_engine.new_cache())
+        assert torch.equal(f, feats) and torch.equal(g.to(torch.int32), greedy)
+    bf16 = Engine.from_loaded(smollm_engine.loaded, max_context=256, device="cpu", bf16=True)
+    ids, feats, greedy = train["tokens"][0], train["feats"][0], train["greedy"][0]
+    f, g = sequence_features(bf16, ids.tolist(), bf16.new_cache())
+    assert torch.equal(f, feats) and torch.equal(g.to(torch.int32), greedy)
+    packed, pg = sequence_features(smollm_engine, ids.tolist(), smollm_engine.new_cache())
+    assert not torch.equal(packed, feats)
+    rel = (packed.float() - feats.float()).norm(dim=-1) / packed.float().norm(dim=-1)
+    assert rel.mean() < 0.05 and (pg.to(torch.int32) == greedy).float().mean() > 0.9
+
+
+def test_packed_features_keep_the_shards_of_runs_before_the_choice():
+    """`--features packed` is what every run made before bf16 existed: its data key is theirs."""
+    assert Recipe(features="packed").data_key() != Recipe().data_key()
+    assert Recipe(features="packed", source="greedy").data_key() == Recipe(source="greedy", features="packed").data_key()
+    import hashlib
+
+    old = {k: getattr(Recipe(), k) for k in ("tokens", "seq_len", "code_share", "heldout", "seed")}
+    assert Recipe(features="packed").data_key() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def test_truncated_sharegpt_json_gives_its_complete_conversations():
     convs = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
              for i in range(5)]
@@ -109,6 +141,11 @@ def test_greedy_continuations_are_the_targets_own_and_do_not_depend_on_the_batch
         assert tokens.numel() == 48 or int(greedy[-1]) in tok.eos_ids
         f, g = sequence_features(smollm_engine, tokens.tolist(), smollm_engine.new_cache())
         assert torch.equal(f, feats) and torch.equal(g.to(torch.int32), greedy)
+    quick = dict(continue_greedily(smollm_engine, enumerate(prompts), 48, batch=3, prompt_labels=False))
+    for ids, i in zip(prompts, range(3)):  # the LM head skipped on the prompts' rows: the same continuations
+        n = len(ids)
+        assert torch.equal(quick[i][0], got[i][0]) and torch.equal(quick[i][1], got[i][1])
+        assert torch.equal(quick[i][2][n - 1:], got[i][2][n - 1:]) and (quick[i][2][:n - 1] == -1).all()
     one = extract(smollm_engine, prompts, tmp_path / "b1", "x", continue_to=48, batch=1)
     three = extract(smollm_engine, prompts, tmp_path / "b3", "x", continue_to=48, batch=3)
     for a, b in ((one.tokens, three.tokens), (one.feats, three.feats), (one.greedy, three.greedy)):
@@ -137,7 +174,7 @@ def test_a_tiny_head_trains_on_the_targets_own_continuations(smollm_path, tmp_pa
 
 
 @pytest.mark.parametrize("bad", [{"tokens": 0}, {"seq_len": 8}, {"lr": 0.0}, {"epochs": 0}, {"draft_vocab": -1},
-                                 {"source": "web"}, {"gen_batch": 0}])
+                                 {"source": "web"}, {"gen_batch": 0}, {"features": "fp8"}])
 def test_bad_recipes_are_refused(bad):
     with pytest.raises(ValueError):
         Recipe(**bad).validate()

@@ -30,9 +30,14 @@ class Features:
 
 
 @torch.inference_mode()
-def sequence_features(engine, ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features [T, D] bf16, greedy [T]) of one sequence, from a forward at position 0 in `cache`."""
-    _, h = engine.forward(ids, 0, cache=cache, hidden=True)
+def sequence_features(engine, ids: list[int], cache, labels: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [T, D] bf16, greedy [T]) of one sequence, from a forward at position 0 in `cache`.
+    labels=False: only the last row's greedy token is computed (the LM head runs on one row); the others are -1."""
+    logits, h = engine.forward(ids, 0, cache=cache, hidden=True)
+    if not labels:
+        greedy = torch.full((h.shape[0],), -1, dtype=torch.long)
+        greedy[-1] = logits[-1].argmax()
+        return h.to(torch.bfloat16), greedy
     m = engine.model
     greedy = torch.cat([m.output(m.norm(h[i:i + HEAD_CHUNK])).argmax(-1) for i in range(0, h.shape[0], HEAD_CHUNK)])
     return h.to(torch.bfloat16), greedy
@@ -41,9 +46,9 @@ def sequence_features(engine, ids: list[int], cache) -> tuple[torch.Tensor, torc
 class _Continuation:
     """One prompt being continued: its tokens so far, per-row features and greedy labels, and its cache."""
 
-    def __init__(self, index: int, ids: list[int], engine):
+    def __init__(self, index: int, ids: list[int], engine, labels: bool = True):
         self.index, self.cache, self.prompt_len = index, engine.new_cache(), len(ids)
-        f, g = sequence_features(engine, ids, self.cache)
+        f, g = sequence_features(engine, ids, self.cache, labels)
         self.tokens, self.feats, self.greedy = list(ids), [f], [g]
 
     def next_token(self) -> int:
@@ -55,11 +60,14 @@ class _Continuation:
 
 
 @torch.inference_mode()
-def continue_greedily(engine, prompts, length: int, batch: int = 16, progress=None, new_tokens: int | None = None):
+def continue_greedily(engine, prompts, length: int, batch: int = 16, progress=None, new_tokens: int | None = None,
+                      prompt_labels: bool = True):
     """Yields (index, (tokens [T] int32, features [T, D] bf16, greedy [T] int32)) for each (index, prompt ids) of
     the iterable `prompts`, continued by the target's greedy tokens until `length` tokens, `new_tokens` tokens
-    generated (the last one only as a label) or an end token, in the order they finish. At most `batch` are continued at once, in batched one-row passes; a finished one's
-    place goes to the next prompt. The last greedy label (the token not fed back) belongs to the last row."""
+    generated (the last one only as a label) or an end token, in the order they finish. At most `batch` are
+    continued at once, in batched one-row passes; a finished one's place goes to the next prompt. The last
+    greedy label (the token not fed back) belongs to the last row. prompt_labels=False: the prompt's rows but
+    its last get label -1 (the LM head skips them: for callers that need the continuation only)."""
     eos = engine.tokenizer.eos_ids
     prompts = iter(prompts)
     live: list[_Continuation] = []
@@ -76,7 +84,7 @@ def continue_greedily(engine, prompts, length: int, batch: int = 16, progress=No
             index, ids = nxt
             if len(ids) >= length:
                 raise ValueError(f"a prompt of {len(ids)} tokens leaves nothing to continue within {length}")
-            c = _Continuation(index, ids, engine)
+            c = _Continuation(index, ids, engine, prompt_labels)
             if progress:
                 progress(len(ids))
             if done(c):
