@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .model import linear_weight_name, swap_module
+
 DEQUANT_ROWS = 4096  # rows dequantized at a time: the fp32 copy of a whole vocabulary never exists
 
 
@@ -51,8 +53,6 @@ def apply_bf16(model: nn.Module, loaded) -> nn.Module:
     tensors, c = loaded.tensors, loaded.config
     for name, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear):
-            key = "tok_embeddings.weight" if name == "output" and c.tie_embeddings else f"{name}.weight"
             bias = tensors[f"{name}.bias"].dequantize() if f"{name}.bias" in tensors else None
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, BF16Linear(bf16_weight(tensors[key]), bias))
+            swap_module(model, name, BF16Linear(bf16_weight(tensors[linear_weight_name(name, c)]), bias))
     return model

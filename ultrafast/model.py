@@ -229,6 +229,17 @@ class Transformer(nn.Module):
         return total
 
 
+def linear_weight_name(linear: str, c: ModelConfig) -> str:
+    """The file tensor holding the weight of the linear module named `linear` (a tied LM head: the embedding)."""
+    return "tok_embeddings.weight" if linear == "output" and c.tie_embeddings else f"{linear}.weight"
+
+
+def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` where the submodule `name` of `model` is (what transforms do to a model built on meta)."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
 def build_model(loaded, device: str | torch.device = "cpu", transform=None) -> Transformer:
     """Build on the meta device, let `transform(model, loaded)` swap modules (e.g. packed kernels), then
     materialise whatever is still empty from the file: the reference build dequantizes to fp32 `nn.Linear`."""

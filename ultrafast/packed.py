@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import kernels
-from .model import AttentionCore, RMSNorm
+from .model import AttentionCore, RMSNorm, linear_weight_name, swap_module
 
 
 class PackedLinear(nn.Module):
@@ -111,11 +111,6 @@ class FusedBlock(nn.Module):
         return h + self.tp.all_reduce(run(h, 2))
 
 
-def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-
-
 def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16) -> nn.Module:
     """Replace linears, norms and attention cores of `model` (built on meta) with packed kernel modules,
     then (fuse) each decoder layer with a single-call fused layer over the same packed weights. act_bits: the
@@ -123,16 +118,15 @@ def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16
     tensors, c = loaded.tensors, loaded.config
     for name, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear):
-            key = "tok_embeddings.weight" if name == "output" and c.tie_embeddings else f"{name}.weight"
-            qt = tensors[key]
+            qt = tensors[linear_weight_name(name, c)]
             bias = tensors[f"{name}.bias"].dequantize() if f"{name}.bias" in tensors else None
             if qt.qtype not in kernels.SUPPORTED_TYPES:
                 continue  # stays a plain linear, filled in by the reference build
-            _swap(model, name, PackedLinear(qt.raw, qt.qtype, mod.in_features, mod.out_features, bias, act_bits))
+            swap_module(model, name, PackedLinear(qt.raw, qt.qtype, mod.in_features, mod.out_features, bias, act_bits))
         elif isinstance(mod, RMSNorm):
-            _swap(model, name, KernelRMSNorm(tensors[f"{name}.weight"].dequantize(), mod.eps))
+            swap_module(model, name, KernelRMSNorm(tensors[f"{name}.weight"].dequantize(), mod.eps))
         elif isinstance(mod, AttentionCore):
-            _swap(model, name, KernelAttentionCore())
+            swap_module(model, name, KernelAttentionCore())
     if fuse:
         for i, block in enumerate(model.layers):
             if FusedBlock.fusable(block):
