@@ -7,6 +7,7 @@ import sqlite3
 import threading
 import os
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -201,6 +202,26 @@ def test_ledger_rows_open_settle_and_close(tmp_path):
     with pytest.raises(ValueError, match="already closed"):
         w.submit(row).result(5)
     assert ledger_mod.rows(db)[0]["status"] == "finished"
+    w.close()
+
+
+def test_a_future_cancelled_by_its_waiter_does_not_stop_the_writer(tmp_path):
+    """A handler whose client went away while it waited on its row's future cancels that future (asyncio's
+    wrap_future passes the cancel on). The row is still written, and the writer goes on: it once died on
+    setting a cancelled future's result, and every later request of the server waited for ever (CI's soak)."""
+    db = Database(tmp_path / "l.db").init()
+    w = LedgerWriter(db)
+    gate = threading.Event()
+    write = ledger_mod.write_row
+    with mock.patch.object(ledger_mod, "write_row", lambda d, r: (gate.wait(5), write(d, r))):
+        held = w.submit(_row(0))  # the writer waits at the gate on this one ...
+        cancelled = [w.submit(_row(i, status=s)) for i, s in ((1, "finished"), (2, "running"))]
+        assert all(f.cancel() for f in cancelled + [held])  # ... while their waiters give up on all three
+        gate.set()
+        after = w.submit(_row(3))
+        assert after.result(10) is True
+    assert [r["request_id"] for r in ledger_mod.rows(db)] == ["r0", "r1", "r2", "r3"]
+    assert w.failed == 0
     w.close()
 
 

@@ -15,17 +15,20 @@ the future `submit` returns), so a client that saw a finished response can count
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
 from .db import Database
+
+log = logging.getLogger("ultrafast.server")
 
 STATUSES = ("running", "finished", "cancelled", "failed", "interrupted")
 SETTLE_TOKENS = 16  # a running row is rewritten at least this often, in completion tokens ...
@@ -122,6 +125,19 @@ def interrupt_abandoned(db: Database, instance: str, now: float | None = None) -
     return n
 
 
+def _resolve(futs: list[Future], error: BaseException | None) -> None:
+    """Settle the waiters' futures. One its waiter cancelled (a handler whose client went away: asyncio's
+    wrap_future passes the cancel on) is left as it is; the row was written all the same."""
+    for f in futs:
+        try:
+            if error is None:
+                f.set_result(True)
+            else:
+                f.set_exception(error)
+        except InvalidStateError:  # cancelled (or already settled): nobody waits on it
+            pass
+
+
 class LedgerWriter:
     """One thread that owns the writes: `submit(row)` returns a Future done once the row is committed.
     Rewrites of one request queued behind each other are coalesced (the latest wins). It marks abandoned rows
@@ -186,26 +202,31 @@ class LedgerWriter:
                 break
 
     def _write(self, row: LedgerRow, futs: list) -> None:
+        try:
+            self._write_row(row, futs)
+        except Exception as e:  # a bug: its waiters hear of it, and the writer goes on with the next rows
+            log.exception("the ledger writer failed on request %s", row.request_id)
+            _resolve(futs, e)
+
+    def _write_row(self, row: LedgerRow, futs: list) -> None:
         for attempt in range(3):
             try:
                 row.updated_ts = None
                 write_row(self.db, row)
-                self.written += 1
-                for f in futs:
-                    f.set_result(True)
-                return
             except ValueError as e:  # refused (a closed row): no retry
                 self.failed += 1
-                for f in futs:
-                    f.set_exception(e)
+                _resolve(futs, e)
                 return
             except Exception as e:  # a locked/busy database: retry a little, then report
                 if attempt == 2:
                     self.failed += 1
-                    for f in futs:
-                        f.set_exception(e)
+                    _resolve(futs, e)
                 else:
                     time.sleep(0.05 * (attempt + 1))
+            else:
+                self.written += 1
+                _resolve(futs, None)
+                return
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued, then stop."""

@@ -610,7 +610,8 @@ class ModelWorker:
     def _submit_row(self, row: LedgerRow):
         """Hand a row to the ledger thread; a write that fails counts in ultrafast_ledger_errors."""
         fut = self.ledger.submit(row)
-        fut.add_done_callback(lambda f: f.exception() is not None and self.metrics.ledger_errors.inc())
+        fut.add_done_callback(lambda f: not f.cancelled() and f.exception() is not None
+                              and self.metrics.ledger_errors.inc())
         return fut
 
     def _finalize(self, req: GenRequest, status: str, message: str | None = None) -> None:
