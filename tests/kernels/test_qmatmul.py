@@ -91,18 +91,22 @@ def num_threads(n: int):
         torch.set_num_threads(old)
 
 
-PATHS = ["vnni", "avx512", "scalar"]  # avx512 = the AVX-512 fp32 path
+PATHS = ["vnni", "avx512", "avx2", "scalar"]  # avx512 = the AVX-512 fp32 path, avx2 = the AVX2 fp32 path
+_REQUEST = {"vnni": "auto", "avx512": "fp32", "avx2": "avx2", "scalar": "scalar"}
+_NAME = {"vnni": "vnni-int16", "avx512": "avx512-fp32", "avx2": "avx2-fp32", "scalar": "scalar"}
 
 
 @pytest.fixture(params=PATHS)
 def path(request):
-    if request.param != "scalar" and not uk.load().avx512_supported():
+    if request.param in ("vnni", "avx512") and not uk.load().avx512_supported():
         pytest.skip("CPU without AVX-512")
     if request.param == "vnni" and not uk.load().vnni_supported():
         pytest.skip("CPU without AVX512-VNNI")
-    uk.set_kernels_path({"vnni": "auto", "avx512": "fp32", "scalar": "scalar"}[request.param])
-    assert uk.avx512_active() == (request.param != "scalar")
-    assert uk.path_in_use() == {"vnni": "vnni-int16", "avx512": "avx512-fp32", "scalar": "scalar"}[request.param]
+    if request.param == "avx2" and not uk.load().avx2_supported():
+        pytest.skip("CPU without AVX2")
+    uk.set_kernels_path(_REQUEST[request.param])
+    assert uk.avx512_active() == (request.param in ("vnni", "avx512"))
+    assert uk.path_in_use() == _NAME[request.param]
     _active["path"] = request.param
     yield request.param
     _active["path"] = "avx512"
@@ -511,8 +515,8 @@ def test_act_bits_errors():
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="act_bits must be 16 or 8"):
         uk.qmatmul(x, raw, uk.Q8_0, 64, act_bits=4)
-    if uk.load().avx512_supported():
-        uk.set_kernels_path("fp32")
+    if uk.load().avx512_supported() or uk.load().avx2_supported():
+        uk.set_kernels_path("fp32")  # AVX-512, else AVX2: no int8 activations on either
         try:
             with pytest.raises(ValueError, match="int8 activations need the AVX512-VNNI"):
                 uk.qmatmul(x, raw, uk.Q8_0, 64, act_bits=8)

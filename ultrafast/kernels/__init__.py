@@ -26,11 +26,14 @@ stderr) and later processes reuse the build. The kernel path is chosen at runtim
                    costs ~1e-5 (measured < 3e-5) of sum(|x|*|w|), against ~1e-6 for the fp32 path. Much cheaper per activation row, so
                    verifying k draft tokens costs little more than one. F32/F16/BF16 use the fp32 path.
     "avx512-fp32"  AVX-512 fp32 path (dequantize-in-register + FMA), ~1e-6 of sum(|x|*|w|).
+    "avx2-fp32"    the same scheme in 8-lane AVX2 + FMA registers, for CPUs without AVX-512 (Zen 1-3, most
+                   Intel client parts); every type.
     "scalar"       portable path with the same math as avx512-fp32, for other CPUs.
 
 Each path is batch-invariant on its own (bit-identical per row whatever k and the threads); the paths
 are not bit-identical to each other. Environment: ULTRAFAST_KERNELS_PATH=fp32 keeps the quantized types
-on the AVX-512 fp32 path (=scalar forces the scalar path, =auto/vnni the default choice);
+on the fp32 path (AVX-512, else AVX2), =avx2 on the AVX2 one even where AVX-512 exists (=scalar forces the
+scalar path, =auto/vnni the default choice);
 ULTRAFAST_KERNELS_SCALAR=1 also forces the scalar path. set_kernels_path() changes it at runtime.
 """
 
@@ -66,8 +69,8 @@ SUPPORTED_TYPES = frozenset(_BLOCKS)
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ["qmatmul.cpp", "kernel_variant.cpp", "decoder_layer.cpp", "scalar.cpp", "qmatmul_avx512.cpp",
-            "qmatmul_vnni.cpp"]
-_HEADERS = ["kernel_variant.h", "qmatmul_kernels.h", "decoder_layer.h", "row_ops.h", "scratch.h"]
+            "qmatmul_avx2.cpp", "qmatmul_vnni.cpp"]
+_HEADERS = ["kernel_variant.h", "qmatmul_kernels.h", "qmatmul_fp32.h", "decoder_layer.h", "row_ops.h", "scratch.h"]
 # No -march=native: the baseline unit must run anywhere (the AVX-512 unit enables its ISA with a
 # target pragma and is only entered after a runtime CPU check), so a shared build cache stays safe.
 # -ffp-contract=off: no implicit FMA contraction, so every template instantiation does the same math.
@@ -159,11 +162,11 @@ def load():
             if fresh:
                 print(f"ultrafast: kernels compiled in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
             env_path = os.environ.get("ULTRAFAST_KERNELS_PATH", "").strip().lower()
-            if env_path in ("auto", "vnni", "fp32", "scalar"):
+            if env_path in ("auto", "vnni", "fp32", "avx2", "scalar"):
                 ext.set_kernels_path(env_path)
             elif env_path:
-                print(f"ultrafast: ignoring ULTRAFAST_KERNELS_PATH={env_path!r} (expected auto, vnni, fp32 or "
-                      "scalar)", file=sys.stderr, flush=True)
+                print(f"ultrafast: ignoring ULTRAFAST_KERNELS_PATH={env_path!r} (expected auto, vnni, fp32, avx2 "
+                      "or scalar)", file=sys.stderr, flush=True)
             if os.environ.get("ULTRAFAST_KERNELS_SCALAR", "") not in ("", "0"):
                 ext.set_force_scalar(True)
             _ext = ext
@@ -201,12 +204,13 @@ def avx512_active() -> bool:
 
 
 def path_in_use() -> str:
-    """The kernel path quantized types take now: "vnni-int16", "avx512-fp32" or "scalar"."""
+    """The kernel path quantized types take now: "vnni-int16", "avx512-fp32", "avx2-fp32" or "scalar"."""
     return str(load().path_in_use())
 
 
 def set_kernels_path(path: str) -> None:
-    """Choose the kernel path, process-wide: "auto" (= "vnni": best available), "fp32" or "scalar"."""
+    """Choose the kernel path, process-wide: "auto" (= "vnni": best available), "fp32" (AVX-512, else AVX2),
+    "avx2" (the AVX2 kernels even where AVX-512 exists) or "scalar"."""
     load().set_kernels_path(str(path))
 
 

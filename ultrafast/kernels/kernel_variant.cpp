@@ -14,11 +14,13 @@ namespace {
 // The process-wide request (a path is a property of the process, like the thread count).
 std::atomic<bool> g_force_scalar{false};
 std::atomic<bool> g_force_fp32{false};
+std::atomic<bool> g_force_avx2{false};
 
 constexpr LinearOps kScalar{"scalar", qmm_prep_bytes_scalar, qmm_prep_units_scalar, qmm_prep_scalar,
                             qmm_rows_scalar};
 constexpr LinearOps kAvx512{"avx512-fp32", qmm_prep_bytes_avx512, qmm_prep_units_avx512, qmm_prep_avx512,
                             qmm_rows_avx512};
+constexpr LinearOps kAvx2{"avx2-fp32", qmm_prep_bytes_avx2, qmm_prep_units_avx2, qmm_prep_avx2, qmm_rows_avx2};
 constexpr LinearOps kVnni{"vnni-int16", qmm_prep_bytes_vnni, qmm_prep_units_vnni, qmm_prep_vnni, qmm_rows_vnni};
 
 bool avx512_cpu() {
@@ -31,9 +33,21 @@ bool vnni_cpu() {
   return ok;
 }
 
+bool avx2_cpu() {
+  static const bool ok = avx2_usable();
+  return ok;
+}
+
 bool vnni_in_use() {
   return vnni_cpu() && !g_force_scalar.load(std::memory_order_relaxed) &&
-         !g_force_fp32.load(std::memory_order_relaxed);
+         !g_force_fp32.load(std::memory_order_relaxed) && !g_force_avx2.load(std::memory_order_relaxed);
+}
+
+// The fp32 linears of the path in force: AVX-512, else AVX2, else none (scalar).
+const LinearOps* fp32_ops() {
+  if (g_force_scalar.load(std::memory_order_relaxed)) return nullptr;
+  if (avx512_cpu() && !g_force_avx2.load(std::memory_order_relaxed)) return &kAvx512;
+  return avx2_cpu() ? &kAvx2 : nullptr;
 }
 
 }  // namespace
@@ -41,20 +55,26 @@ bool vnni_in_use() {
 void request_path(PathRequest p) {
   g_force_scalar.store(p == PathRequest::Scalar);
   g_force_fp32.store(p == PathRequest::Fp32);
+  g_force_avx2.store(p == PathRequest::Avx2);
 }
 
 void force_scalar(bool on) { g_force_scalar.store(on); }
 
-bool avx512_in_use() { return avx512_cpu() && !g_force_scalar.load(std::memory_order_relaxed); }
+bool avx512_in_use() { return fp32_ops() == &kAvx512; }
 
-const char* path_in_use() { return vnni_in_use() ? kVnni.name : (avx512_in_use() ? kAvx512.name : kScalar.name); }
+const char* path_in_use() {
+  if (vnni_in_use()) return kVnni.name;
+  const LinearOps* f = fp32_ops();
+  return f != nullptr ? f->name : kScalar.name;
+}
 
 const LinearOps* linear_ops(int qt, bool x8) {
   TypeInfo ti;
   if (!type_info(qt, &ti)) return nullptr;
   if (qmm_vnni_supports(qt) && vnni_in_use()) return &kVnni;
   if (x8 && qmm_vnni_supports(qt)) return nullptr;  // int8 activations exist only in the VNNI kernels
-  return avx512_in_use() ? &kAvx512 : &kScalar;
+  const LinearOps* f = fp32_ops();
+  return f != nullptr ? f : &kScalar;
 }
 
 AttentionOp attention_op(int64_t hd) {

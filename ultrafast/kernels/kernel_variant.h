@@ -3,6 +3,7 @@
 // attention op, and get those of the path in force (kernel_variant.cpp):
 //   vnni-int16   AVX512-VNNI integer kernels (qmatmul_vnni.cpp) for the quantized types, int16 or int8 x;
 //   avx512-fp32  AVX-512 dequantize-in-register + FMA (qmatmul_avx512.cpp), every type;
+//   avx2-fp32    the same scheme on AVX2 + FMA (qmatmul_avx2.cpp), every type, for CPUs without AVX-512;
 //   scalar       portable loops (scalar.cpp), every type, any CPU.
 // A new variant (another ISA, an accelerator) is one more LinearOps table and one more case where the ops
 // are chosen. Every variant keeps the batch-invariance contract: y[r][n] is one fixed sequence of
@@ -36,12 +37,13 @@ using AttentionOp = void (*)(const float* q, int G, const float* kc, const float
                              float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra);
 
 // The path requested for the process: auto (the fastest this CPU runs), fp32 (quantized types stay on the
-// AVX-512 fp32 kernels) or scalar. force_scalar is kept apart for tests that toggle it alone.
-enum class PathRequest : int { Auto = 0, Fp32 = 1, Scalar = 2 };
+// fp32 kernels: AVX-512, else AVX2), avx2 (the AVX2 kernels even where AVX-512 exists) or scalar.
+// force_scalar is kept apart for tests that toggle it alone.
+enum class PathRequest : int { Auto = 0, Fp32 = 1, Scalar = 2, Avx2 = 3 };
 void request_path(PathRequest p);
 void force_scalar(bool on);
 
-const char* path_in_use();  // "vnni-int16", "avx512-fp32" or "scalar": the path of the quantized linears
+const char* path_in_use();  // "vnni-int16", "avx512-fp32", "avx2-fp32" or "scalar": the quantized linears' path
 bool avx512_in_use();       // the AVX-512 kernels (fp32 linears, attention) are in use
 // The ops for a linear of GGML type qt (x8: int8 activations) under the path in force; nullptr when the
 // type is unknown, or x8 is asked of a path without int8 activations.

@@ -30,9 +30,10 @@ namespace ultrafast {
 namespace {
 
 void set_kernels_path(const std::string& p) {
-  TORCH_CHECK_VALUE(p == "auto" || p == "vnni" || p == "fp32" || p == "scalar",
-                    "kernels path must be auto, vnni, fp32 or scalar, got '", p, "'");
-  request_path(p == "scalar" ? PathRequest::Scalar : (p == "fp32" ? PathRequest::Fp32 : PathRequest::Auto));
+  TORCH_CHECK_VALUE(p == "auto" || p == "vnni" || p == "fp32" || p == "avx2" || p == "scalar",
+                    "kernels path must be auto, vnni, fp32, avx2 or scalar, got '", p, "'");
+  request_path(p == "scalar" ? PathRequest::Scalar
+                             : (p == "fp32" ? PathRequest::Fp32 : (p == "avx2" ? PathRequest::Avx2 : PathRequest::Auto)));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -383,8 +384,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_force_scalar", &ultrafast::force_scalar, "force the portable scalar path (testing)");
   m.def("vnni_supported", []() { return ultrafast::avx512_usable() && ultrafast::vnni_usable(); },
         "whether this CPU can run the AVX512-VNNI integer path");
-  m.def("path_in_use", []() { return std::string(ultrafast::path_in_use()); }, "vnni-int16, avx512-fp32 or scalar");
-  m.def("set_kernels_path", &ultrafast::set_kernels_path, "auto, vnni (= auto), fp32 or scalar; process-wide");
+  m.def("avx2_supported", &ultrafast::avx2_usable, "whether this CPU can run the AVX2 path");
+  m.def("path_in_use", []() { return std::string(ultrafast::path_in_use()); },
+        "vnni-int16, avx512-fp32, avx2-fp32 or scalar");
+  m.def("set_kernels_path", &ultrafast::set_kernels_path, "auto, vnni (= auto), fp32, avx2 or scalar; process-wide");
   m.def("vnni_multiply_peak", &ultrafast::vnni_multiply_peak, "vpdpbusd per second on `threads` threads (0: no VNNI)",
         py::arg("threads"), py::arg("iters") = 10000000, py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
   m.def("vnni_product_peak", &ultrafast::vnni_product_peak,

@@ -43,6 +43,8 @@
 #include <immintrin.h>
 #include <cstring>
 
+#include "qmatmul_fp32.h"
+
 #define UF_INLINE inline __attribute__((always_inline))
 #define UF_INLINE_LAMBDA __attribute__((always_inline))
 
@@ -60,21 +62,6 @@ UF_INLINE __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterp
 
 UF_INLINE __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 
-// 2^-e as float (exact), e in [0, 126]
-UF_INLINE float pow2neg(int e) {
-  const uint32_t bits = (uint32_t)(127 - e) << 23;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
-}
-
-// Fixed-order sum of n consecutive floats (prep only).
-UF_INLINE float seqsum(const float* x, int n) {
-  float a = 0.0f;
-  for (int i = 0; i < n; ++i) a = a + x[i];
-  return a;
-}
-
 // ----------------------------------------------------------------------------------------------------
 // Kernel types. Each provides
 //   B, BYTES        values / bytes per kernel block (a Q4_1 kernel block is 4 GGUF blocks)
@@ -85,29 +72,8 @@ UF_INLINE float seqsum(const float* x, int n) {
 //   Acc, init, finish        per (weight row, activation row) accumulators
 //   block<R>(p, xp, xs, ldx, ldxs, acc)   one kernel block for R activation rows
 
-// ---- Q4_K: 256 values = 8 sub-blocks of 32 with 6-bit scales/mins. The 128 bytes of nibbles are read as
-// two 64-byte chunks of 16 dwords; vector n (0..7) of chunk c is (dword & 0xF << 4n), i.e. byte n>>1 of each
-// dword, low nibble for even n (sub-block 2g) and high nibble for odd n (2g+1), where lanes 0..7 hold
-// group g = 2c and lanes 8..15 group 2c+1.
-struct KQ4_K {
-  static constexpr int B = 256, BYTES = 144, UNIT = 256, UNIT_BYTES = 144, XS = 8;
-  static constexpr bool NATIVE_PARTIAL = false;  // K % 256 == 0 always
-  static void prep(const float* x, int64_t K, int64_t Kp, float* xp, float* xs) {
-    for (int64_t s = 0; s < K / 256; ++s) {
-      const float* xb = x + s * 256;
-      float* o = xp + s * 256;
-      for (int c = 0; c < 2; ++c)
-        for (int n = 0; n < 8; ++n) {
-          const float sc = pow2neg(4 * n);
-          for (int j = 0; j < 16; ++j) {
-            const int byte = 4 * j + (n >> 1), g = 2 * c + (byte >> 5), b = byte & 31, h = n & 1;
-            o[c * 128 + n * 16 + j] = xb[64 * g + 32 * h + b] * sc;
-          }
-        }
-      for (int sb = 0; sb < 8; ++sb) xs[s * 8 + sb] = seqsum(xb + 32 * sb, 32);
-    }
-    (void)Kp;
-  }
+// ---- Q4_K (layout: LQ4_K in qmatmul_fp32.h)
+struct KQ4_K : LQ4_K {
   struct Acc {
     __m512 e, o;
   };
@@ -171,26 +137,8 @@ struct KQ4_K {
   }
 };
 
-// ---- Q6_K: 256 values, q = 4 low bits (ql) | 2 high bits (qh) << 4, value = d * scale[e/16] * (q - 32).
-// Per 128-value half, the 6-bit values are first assembled as bytes (A: values 0..63 of the half, Bv:
-// 64..127), then vector c (0..3) of A is (dword & 0x3F << 8c): lane j holds value 4j + c, so lanes 4g..4g+3
-// all belong to scale group g. The -32 offset goes through per-group sums of x (prep stores -32 * sum).
-struct KQ6_K {
-  static constexpr int B = 256, BYTES = 210, UNIT = 256, UNIT_BYTES = 210, XS = 16;
-  static constexpr bool NATIVE_PARTIAL = false;  // K % 256 == 0 always
-  static void prep(const float* x, int64_t K, int64_t Kp, float* xp, float* xs) {
-    for (int64_t s = 0; s < K / 256; ++s) {
-      const float* xb = x + s * 256;
-      float* o = xp + s * 256;
-      for (int q = 0; q < 4; ++q)  // q = 2h + (A or B)
-        for (int c = 0; c < 4; ++c) {
-          const float sc = pow2neg(8 * c);
-          for (int j = 0; j < 16; ++j) o[q * 64 + c * 16 + j] = xb[64 * q + 4 * j + c] * sc;
-        }
-      for (int g = 0; g < 16; ++g) xs[s * 16 + g] = -32.0f * seqsum(xb + 16 * g, 16);
-    }
-    (void)Kp;
-  }
+// ---- Q6_K (layout: LQ6_K in qmatmul_fp32.h)
+struct KQ6_K : LQ6_K {
   struct Acc {
     __m512 a, b;
   };
@@ -246,30 +194,10 @@ struct KQ6_K {
   }
 };
 
-// ---- Q4_0 / Q4_1: a kernel block is 4 GGUF blocks of 32 (128 values). Their 4 x 16 bytes of nibbles form
-// one vector of 16 dwords (lanes 4b..4b+3 = block b); vector n (0..7) is (dword & 0xF << 4n): value
-// 16*(n&1) + 4*(j%4) + (n>>1) of block j/4. Q4_1: d*q + m; Q4_0: d*q - 8d (offsets via per-block x sums,
-// which prep stores pre-multiplied by -8 for Q4_0).
+// ---- Q4_0 / Q4_1 (layout: LQ4_01 in qmatmul_fp32.h)
 template <bool Q41>
-struct KQ4_01 {
-  static constexpr int BB = Q41 ? 20 : 18;  // bytes per GGUF block
-  static constexpr int QOFF = Q41 ? 4 : 2;  // offset of the nibbles in a block
-  static constexpr int B = 128, BYTES = 4 * BB, UNIT = 32, UNIT_BYTES = BB, XS = 4;
-  static void prep(const float* x, int64_t K, int64_t Kp, float* xp, float* xs) {
-    const int64_t nblk = K / 32;
-    for (int64_t g = 0; g < Kp / 128; ++g) {
-      float* o = xp + g * 128;
-      for (int n = 0; n < 8; ++n) {
-        const float sc = pow2neg(4 * n);
-        for (int j = 0; j < 16; ++j) {
-          const int64_t blk = 4 * g + j / 4;
-          o[n * 16 + j] = blk < nblk ? x[blk * 32 + 16 * (n & 1) + 4 * (j % 4) + (n >> 1)] * sc : 0.0f;
-        }
-      }
-      for (int b = 0; b < 4; ++b)
-        xs[g * 4 + b] = 4 * g + b < nblk ? (Q41 ? 1.0f : -8.0f) * seqsum(x + (4 * g + b) * 32, 32) : 0.0f;
-    }
-  }
+struct KQ4_01 : LQ4_01<Q41> {
+  static constexpr int BB = LQ4_01<Q41>::BB;
   struct Acc {
     __m512 e, o;
   };
@@ -440,13 +368,7 @@ struct DBF16 {
 };
 
 template <class D>
-struct KDirect {
-  static constexpr int B = 32, BYTES = D::BYTES, UNIT = D::UNIT, UNIT_BYTES = D::UNIT_BYTES, XS = 0;
-  static constexpr bool NATIVE_PARTIAL = false;  // float types with K % 32 != 0: zero-padded copy
-  static void prep(const float* x, int64_t K, int64_t Kp, float* xp, float*) {
-    for (int64_t i = 0; i < K; ++i) xp[i] = x[i];
-    for (int64_t i = K; i < Kp; ++i) xp[i] = 0.0f;
-  }
+struct KDirect : LDirect<D::BYTES, D::UNIT, D::UNIT_BYTES> {
   struct Acc {
     __m512 a0, a1;
   };
@@ -467,117 +389,7 @@ struct KDirect {
   }
 };
 
-// ----------------------------------------------------------------------------------------------------
-// Driver. Rows are visited in groups of G; K is cut into panels of P values so that the panel of x' for
-// up to RMAX activation rows and of the G weight rows stays in L1/L2 while every (weight row, activation
-// row chunk) pair sweeps it. Accumulators live in `st` between panels (bit-exact round trip).
-
-constexpr int RMAX = 4;
-constexpr int G = 16;
-// Panel length (values), measured: with one activation row the whole row of x' is best (streaming it
-// from L2 keeps up); with more rows keep the x' panel of one row chunk around 16 KiB.
-UF_INLINE int64_t panel_values(int64_t k) { return k <= 1 ? ((int64_t)1 << 40) : (k == 2 ? 2048 : 1024); }
-
-// Rows [0, g) of a row group (weight rows `rb` bytes apart), blocks [b0, b1) of K, activation rows [0, R)
-// of the current chunk; st[j * k + r] holds the accumulators of weight row j and activation row r.
-template <class T, int R>
-__attribute__((noinline)) void run(const uint8_t* __restrict w, int64_t rb, int64_t g, int64_t b0, int64_t b1,
-                                   int64_t nfull, int64_t K, const float* __restrict xp, const float* __restrict xs,
-                                   int64_t ldx, int64_t ldxs, typename T::Acc* st, int64_t k) {
-  const int64_t bf = b1 < nfull ? b1 : nfull;
-  for (int64_t j = 0; j < g; ++j) {
-    const uint8_t* wr = w + j * rb;
-    typename T::Acc acc[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = st[j * k + r];
-    for (int64_t b = b0; b < bf; ++b)
-      T::template block<R>(wr + b * T::BYTES, xp + b * T::B, xs + b * T::XS, ldx, ldxs, acc);
-    if (b1 > nfull) {  // partial last block (x' is zero-padded)
-      const uint8_t* pl = wr + nfull * T::BYTES;
-      const int64_t nunits = (K - nfull * T::B) / T::UNIT;
-      if constexpr (T::NATIVE_PARTIAL) {
-        T::template partial<R>(pl, nunits, xp + nfull * T::B, xs + nfull * T::XS, ldx, ldxs, acc);
-      } else {  // decode a zero-padded copy
-        alignas(64) uint8_t buf[T::BYTES + 64];
-        for (int i = 0; i < T::BYTES + 64; ++i) buf[i] = 0;
-        __builtin_memcpy(buf, pl, (size_t)(nunits * T::UNIT_BYTES));
-        T::template block<R>(buf, xp + nfull * T::B, xs + nfull * T::XS, ldx, ldxs, acc);
-      }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) st[j * k + r] = acc[r];
-  }
-}
-
-template <class T>
-bool rows(const float* xp, const float* xs, int64_t ld, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
-          int64_t ldy, int64_t n0, int64_t n1) {
-  using Acc = typename T::Acc;
-  const int64_t nfull = K / T::B;
-  const int64_t nblk = (K + T::B - 1) / T::B;
-  const int64_t ldx = ld, ldxs = ld;  // x' and its sums, row r at xp + r * ld and xs + r * ld
-  const int64_t PB = panel_values(k) / T::B > 0 ? panel_values(k) / T::B : 1;
-  void* mem = __builtin_malloc(sizeof(Acc) * (size_t)(G * k) + 64);
-  if (!mem) return false;
-  Acc* st = reinterpret_cast<Acc*>(((uintptr_t)mem + 63) & ~(uintptr_t)63);
-  for (int64_t n = n0; n < n1; n += G) {
-    const int64_t g = n1 - n < G ? n1 - n : G;
-    for (int64_t i = 0; i < g * k; ++i) T::init(st[i]);
-    const uint8_t* wg = w + n * rb;
-    if (nblk > PB && n + G < n1) {
-      // several K panels: rows are read panel by panel (with gaps), which defeats the hardware prefetcher
-      // on weights streamed from memory, so prefetch the next group's rows into L2 meanwhile
-      prefetch_l2(wg + G * rb, (n1 - (n + G) < G ? n1 - (n + G) : G) * rb);
-    }
-    for (int64_t b0 = 0; b0 < nblk; b0 += PB) {
-      const int64_t b1 = b0 + PB < nblk ? b0 + PB : nblk;
-      for (int64_t r0 = 0; r0 < k; r0 += RMAX) {
-        const int64_t rr = k - r0 < RMAX ? k - r0 : RMAX;
-        const float* xr = xp + r0 * ldx;
-        const float* sr = xs + r0 * ldxs;
-        Acc* s = st + r0;
-        switch (rr) {
-          case 1: run<T, 1>(wg, rb, g, b0, b1, nfull, K, xr, sr, ldx, ldxs, s, k); break;
-          case 2: run<T, 2>(wg, rb, g, b0, b1, nfull, K, xr, sr, ldx, ldxs, s, k); break;
-          case 3: run<T, 3>(wg, rb, g, b0, b1, nfull, K, xr, sr, ldx, ldxs, s, k); break;
-          default: run<T, 4>(wg, rb, g, b0, b1, nfull, K, xr, sr, ldx, ldxs, s, k); break;
-        }
-      }
-    }
-    for (int64_t j = 0; j < g; ++j)
-      for (int64_t r = 0; r < k; ++r) y[r * ldy + n + j] = T::finish(st[j * k + r]);
-  }
-  __builtin_free(mem);
-  return true;
-}
-
-// One prepared row: x' (nx floats: the values in the weights' lane order, zero-padded) then its block sums
-// (ns floats), padded to 64 bytes; rows are `ld` floats apart.
-template <class T>
-struct PrepLayout {
-  int64_t nx, ns, ld;
-  explicit PrepLayout(int64_t K) {
-    const int64_t nblk = (K + T::B - 1) / T::B;
-    nx = nblk * T::B;
-    ns = nblk * T::XS;
-    ld = (nx + ns + 15) / 16 * 16;
-  }
-};
-
-template <class T>
-void prep_row(const float* x, int64_t K, uint8_t* xg) {
-  const PrepLayout<T> l(K);
-  float* xp = reinterpret_cast<float*>(xg);
-  T::prep(x, K, l.nx, xp, xp + l.nx);
-}
-
-template <class T>
-bool rows_prepared(const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y, int64_t ldy,
-                   int64_t n0, int64_t n1) {
-  const PrepLayout<T> l(K);
-  const float* xp = reinterpret_cast<const float*>(xg);
-  return rows<T>(xp, xp + l.nx, l.ld, k, K, w, rb, y, ldy, n0, n1);
-}
+constexpr int RMAX = 4;  // activation rows per chunk: 4 rows' accumulators and x' loads fit the 32 registers
 
 // exp for x <= 0 (softmax arguments), Cephes expf polynomial with scalef; ~1 ulp.
 UF_INLINE __m512 exp512(__m512 x) {
@@ -660,23 +472,9 @@ UF_INLINE void attn_pv_heads(int G, const float* vc, int64_t L, int64_t hd, cons
 
 }  // namespace
 
-#define UF_DISPATCH(qtype, CALL)                  \
-  switch (qtype) {                                \
-    case QT_F32: { using T = KDirect<DF32>; CALL; break; }    \
-    case QT_F16: { using T = KDirect<DF16>; CALL; break; }    \
-    case QT_BF16: { using T = KDirect<DBF16>; CALL; break; }  \
-    case QT_Q4_0: { using T = KQ4_01<false>; CALL; break; }   \
-    case QT_Q4_1: { using T = KQ4_01<true>; CALL; break; }    \
-    case QT_Q5_0: { using T = KDirect<DQ5_0>; CALL; break; }  \
-    case QT_Q8_0: { using T = KDirect<DQ8_0>; CALL; break; }  \
-    case QT_Q4_K: { using T = KQ4_K; CALL; break; }           \
-    case QT_Q6_K: { using T = KQ6_K; CALL; break; }           \
-    default: break;                               \
-  }
-
 int64_t qmm_prep_bytes_avx512(int qtype, int64_t K) {
   int64_t ld = 0;
-  UF_DISPATCH(qtype, ld = PrepLayout<T>(K).ld)
+  UF_FP32_DISPATCH(qtype, ld = PrepLayout<T>(K).ld)
   return 4 * ld;
 }
 
@@ -684,13 +482,13 @@ int64_t qmm_prep_units_avx512(int, int64_t) { return 1; }
 
 void qmm_prep_avx512(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool) {
   if (u0 >= u1) return;
-  UF_DISPATCH(qtype, prep_row<T>(x, K, xg))
+  UF_FP32_DISPATCH(qtype, prep_row<T>(x, K, xg))
 }
 
 bool qmm_rows_avx512(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
                      int64_t ldy, int64_t n0, int64_t n1, bool) {
   bool ok = false;
-  UF_DISPATCH(qtype, ok = rows_prepared<T>(xg, k, K, w, rb, y, ldy, n0, n1))
+  UF_FP32_DISPATCH(qtype, ok = rows_prepared<T, RMAX>(xg, k, K, w, rb, y, ldy, n0, n1))
   return ok;
 }
 
