@@ -78,7 +78,10 @@ const LinearOps* linear_ops(int qt, bool x8) {
 }
 
 AttentionOp attention_op(int64_t hd) {
-  return avx512_in_use() && hd % 16 == 0 ? attn_group_avx512 : attn_group_scalar;
+  const LinearOps* f = fp32_ops();
+  if (f == &kAvx512 && hd % 16 == 0) return attn_group_avx512;
+  if (f == &kAvx2 && hd % 8 == 0) return attn_group_avx2;
+  return attn_group_scalar;
 }
 
 }  // namespace ultrafast
