@@ -37,6 +37,17 @@ def test_bench_report(smollm_path):
         assert "arithmetic" in table
         assert 0 < mp["pct_of_peak_prefill"] < 100 and mp["macs_per_token_prefill"] < mp["macs_per_token"]
         assert "physical" in table and "% of peak" in table and "multiply peak" in table
+    elif "avx2" in r["kernels"]:
+        # the AVX2 fp32 kernels: the physical r(k) at the measured FMA rate; no arithmetic row
+        t_mem = r["weight_bytes_per_token"] / (r["read_gb_per_s_2_threads"] * 1e9)
+        assert mp["vpdpbusd_per_s"] is None and mp["activation_bits"] == 32
+        assert mp["macs_per_s"] == pytest.approx(8 * mp["fma_per_s"]) and mp["fma_per_s"] > 1e8
+        for k in (1, 2, 3, 4):
+            want = max(t_mem, k * mp["macs_per_token"] / mp["macs_per_s"]) / max(t_mem, mp["macs_per_token"] / mp["macs_per_s"])
+            assert mp["physical_r_k"][k] == pytest.approx(want)
+            assert 0 < mp["pct_of_peak_k"][k] < 100
+        assert mp["arithmetic_r_k"] is None and "arithmetic" not in table
+        assert "G 8-lane FMA/s" in table and "physical" in table and "% of peak" in table
     else:
         assert mp is None and "physical" not in table
 

@@ -228,6 +228,16 @@ def test_multiply_peak():
         uk.multiply_peak(0)
 
 
+def test_fma_peak():
+    if not uk.load().avx2_supported():
+        assert uk.fma_peak(1, iters=1000, reps=1) is None
+        return
+    rate = uk.fma_peak(1, iters=200_000, reps=2)
+    assert rate > 8e8  # multiply-adds per second: any AVX2 core sustains far more than 1e8 FMA instructions
+    with pytest.raises(ValueError, match="threads"):
+        uk.fma_peak(0)
+
+
 def test_qmatmul_many_rows_thread_split(path):
     # enough rows that both threads get work, with a row count that is not a multiple of any tile size
     qtype, k_in, n = uk.Q4_K, 512, 16 * 45 + 5

@@ -178,6 +178,7 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
     bar.update(1)
     bar.note("the multiply peak")
     peak = kernels.multiply_peak(threads) if "vnni" in info["kernels"] else None
+    fma = kernels.fma_peak(threads) if "avx2" in info["kernels"] else None
     bar.update(1)
     ids = prompt_tokens(engine.tokenizer, prompt_len)
     bar.note(f"ours: prefill {prompt_len}, decode {gen}, r(k) for k = 1..{max_k}")
@@ -191,20 +192,22 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
     bpt = info["weight_bytes_per_token"]
     roofline = bwn * 1e9 / bpt
     multiply = None
-    if peak is not None:
-        rate = peak.macs_per_s(activation_bits)
+    if peak is not None or fma is not None:
+        # the VNNI kernels' int16/int8 multiply-adds, or the AVX2 kernels' fp32 ones
+        rate = peak.macs_per_s(activation_bits) if peak is not None else fma
+        arith = peak.arithmetic_macs_per_s(activation_bits) if peak is not None else None
         t_mem = bpt / (bwn * 1e9)
-
-        arith = peak.arithmetic_macs_per_s(activation_bits)
 
         def physical(k: int, r: float = rate) -> float:  # the longer of one pass over the weights and k rows of multiplies
             return max(t_mem, k * macs / r)
         multiply = {
-            "vpdpbusd_per_s": peak.vpdpbusd_per_s, "activation_bits": activation_bits, "macs_per_s": rate,
+            "vpdpbusd_per_s": peak.vpdpbusd_per_s if peak is not None else None,
+            "fma_per_s": fma / 8 if fma is not None else None,
+            "activation_bits": activation_bits if peak is not None else 32, "macs_per_s": rate,
             "macs_per_token": macs, "macs_per_token_prefill": macs_prefill,
             "physical_r_k": {k: physical(k) / physical(1) for k in ours.r_k},
             "arithmetic_macs_per_s": arith,
-            "arithmetic_r_k": {k: physical(k, arith) / physical(1, arith) for k in ours.r_k},
+            "arithmetic_r_k": {k: physical(k, arith) / physical(1, arith) for k in ours.r_k} if arith else None,
             "pct_of_peak_k": {k: 100 * k * macs / ours.forward_s[k] / rate for k in ours.r_k},
             "pct_of_peak_prefill": 100 * ours.prefill_tokens_per_s * macs_prefill / rate,
             "prefill_limit_tokens_per_s": rate / macs_prefill,
@@ -255,12 +258,17 @@ def format_table(r: dict) -> str:
         lines.append(f"{'prefill % of mult. peak':24}{mp['pct_of_peak_prefill']:>11.0f}%"
                      f"   (limit {mp['prefill_limit_tokens_per_s']:.0f} tok/s)")
         lines.append("")
-        lines.append(f"multiply peak (measured, {t} threads): {mp['vpdpbusd_per_s'] / 1e9:.2f} G vpdpbusd/s = "
-                     f"{mp['macs_per_s'] / 1e9:.0f} G int{mp['activation_bits']} MAC/s; "
-                     f"{mp['macs_per_token'] / 1e9:.2f} G MACs per token")
-        lines.append(f"the kernels' arithmetic alone (their instructions per product, register operands, no weight "
-                     f"decode): {mp['arithmetic_macs_per_s'] / 1e9:.0f} G MAC/s = "
-                     f"{100 * mp['arithmetic_macs_per_s'] / mp['macs_per_s']:.0f}% of the peak")
+        if mp["vpdpbusd_per_s"]:
+            lines.append(f"multiply peak (measured, {t} threads): {mp['vpdpbusd_per_s'] / 1e9:.2f} G vpdpbusd/s = "
+                         f"{mp['macs_per_s'] / 1e9:.0f} G int{mp['activation_bits']} MAC/s; "
+                         f"{mp['macs_per_token'] / 1e9:.2f} G MACs per token")
+        else:
+            lines.append(f"multiply peak (measured, {t} threads): {mp['fma_per_s'] / 1e9:.2f} G 8-lane FMA/s = "
+                         f"{mp['macs_per_s'] / 1e9:.0f} G fp32 MAC/s; {mp['macs_per_token'] / 1e9:.2f} G MACs per token")
+        if mp["arithmetic_macs_per_s"]:
+            lines.append(f"the kernels' arithmetic alone (their instructions per product, register operands, no weight "
+                         f"decode): {mp['arithmetic_macs_per_s'] / 1e9:.0f} G MAC/s = "
+                         f"{100 * mp['arithmetic_macs_per_s'] / mp['macs_per_s']:.0f}% of the peak")
     lines.append("")
     ks = sorted(us["r_k"], key=int)
     lines.append("r(k) = time(k-token forward) / time(1-token forward)")
@@ -269,8 +277,9 @@ def format_table(r: dict) -> str:
     if mp:
         lines.append("physical   " + "".join(f"{mp['physical_r_k'][k]:6.2f}" for k in ks)
                      + "   max(weight stream, k rows of multiplies at peak)")
-        lines.append("arithmetic " + "".join(f"{mp['arithmetic_r_k'][k]:6.2f}" for k in ks)
-                     + "   the same with the kernels' arithmetic at its full rate")
+        if mp["arithmetic_r_k"]:
+            lines.append("arithmetic " + "".join(f"{mp['arithmetic_r_k'][k]:6.2f}" for k in ks)
+                         + "   the same with the kernels' arithmetic at its full rate")
         lines.append("% of peak  " + "".join(f"{mp['pct_of_peak_k'][k]:5.0f}%" for k in ks)
                      + "   multiplies done / time, against the peak")
     if lc:
@@ -297,8 +306,9 @@ def plot(r: dict, path) -> None:
         if mp:
             ax.plot([int(k) for k in ks], [mp["physical_r_k"][k] for k in ks], "--", color="black",
                     label="physical: max(weights once, k rows at the multiply peak)")
-            ax.plot([int(k) for k in ks], [mp["arithmetic_r_k"][k] for k in ks], ":", color="tab:green",
-                    label="the kernels' arithmetic at full rate")
+            if mp["arithmetic_r_k"]:
+                ax.plot([int(k) for k in ks], [mp["arithmetic_r_k"][k] for k in ks], ":", color="tab:green",
+                        label="the kernels' arithmetic at full rate")
         if lc:
             ax.plot([int(k) for k in ks], [lc["r_k"][k] for k in ks], "s-", color=report.TIER_COLOURS["llama.cpp"],
                     label="llama.cpp (measured)", markersize=4)

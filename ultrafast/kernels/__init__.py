@@ -9,6 +9,7 @@ speculative decoding verify k draft tokens in one call and still be provably los
     attention(q, k_cache, v_cache, start_pos, scale)   causal grouped-query attention over a KV cache
     available()                         whether the extension compiled and loaded
     multiply_peak(threads)              the multiply limit of the VNNI kernels, measured (MACs per second)
+    fma_peak(threads)                   the multiply limit of the AVX2 fp32 kernels, measured (MACs per second)
 
 Weights are dequantized to exactly the values gguf/ggml produce (fp16 scales converted to fp32, e.g.
 Q4_K: (d*sc)*q - dmin*m); only the order of the fp32 sums differs from ``x @ W.T``, so results agree
@@ -53,7 +54,7 @@ __all__ = [
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "SUPPORTED_TYPES",
     "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
     "avx512_active", "vnni_supported", "set_force_scalar", "KernelBuildError", "decoder_block", "path_in_use", "set_kernels_path",
-    "multiply_peak", "MultiplyPeak",
+    "multiply_peak", "MultiplyPeak", "fma_peak",
 ]
 
 # GGML type ids (gguf.GGMLQuantizationType)
@@ -264,6 +265,17 @@ def multiply_peak(threads: int | None = None, iters: int = 10_000_000, reps: int
     # a product is 6-10 instructions where a chain step is one: a tenth of the iterations takes as long
     products = {bits: float(ext.vnni_product_peak(threads, max(1, int(iters) // 10), int(reps), bits)) for bits in (16, 8)}
     return MultiplyPeak(threads, rate, products)
+
+
+def fma_peak(threads: int | None = None, iters: int = 10_000_000, reps: int = 3) -> float | None:
+    """Measure the multiply limit of the AVX2 fp32 kernels on `threads` threads together (default: torch's
+    thread count): fp32 multiply-adds per second, best of `reps` runs of 12 independent 8-lane FMA chains of
+    `iters` steps per thread (the rate of the units, not one chain's latency). None without AVX2."""
+    threads = torch.get_num_threads() if threads is None else int(threads)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    rate = float(_ext_or_load().avx2_fma_peak(threads, int(iters), int(reps)))
+    return 8.0 * rate if rate > 0 else None
 
 
 def _ext_or_load():

@@ -358,6 +358,14 @@ double vnni_product_peak(int64_t threads, int64_t iters, int64_t reps, int64_t a
   return best_rate(threads, iters, reps, [x8](int64_t n) { return vnni_product_chains(n, x8); });
 }
 
+// 8-lane fp32 FMA instructions per second that `threads` threads sustain together (best of `reps` runs of `iters`
+// iterations of 12 independent chains each): the multiply limit of the AVX2 fp32 kernels. 0 without AVX2.
+double avx2_fma_peak(int64_t threads, int64_t iters, int64_t reps) {
+  TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "avx2_fma_peak: threads, iters and reps must be >= 1");
+  if (!avx2_usable()) return 0.0;
+  return best_rate(threads, iters, reps, [](int64_t n) { return avx2_fma_chains(n); });
+}
+
 }  // namespace
 }  // namespace ultrafast
 
@@ -389,6 +397,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "vnni-int16, avx512-fp32, avx2-fp32 or scalar");
   m.def("set_kernels_path", &ultrafast::set_kernels_path, "auto, vnni (= auto), fp32, avx2 or scalar; process-wide");
   m.def("vnni_multiply_peak", &ultrafast::vnni_multiply_peak, "vpdpbusd per second on `threads` threads (0: no VNNI)",
+        py::arg("threads"), py::arg("iters") = 10000000, py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
+  m.def("avx2_fma_peak", &ultrafast::avx2_fma_peak, "8-lane FMA per second on `threads` threads (0: no AVX2)",
         py::arg("threads"), py::arg("iters") = 10000000, py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
   m.def("vnni_product_peak", &ultrafast::vnni_product_peak,
         "128-value products per second with the kernels' arithmetic on `threads` threads (0: no VNNI)",

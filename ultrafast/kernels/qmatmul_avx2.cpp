@@ -507,6 +507,19 @@ void attn_group_avx2(const float* q, int G, const float* kc, const float* vc, in
   }
 }
 
+int64_t avx2_fma_chains(int64_t n) {
+  __m256 a[12];
+#pragma GCC unroll 12
+  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps(0.001f * (float)i);
+  const __m256 b = _mm256_set1_ps(0.9999f), c = _mm256_set1_ps(0.0001f);
+  for (int64_t i = 0; i < n; ++i) {
+#pragma GCC unroll 12
+    for (int j = 0; j < 12; ++j) a[j] = _mm256_fmadd_ps(a[j], b, c);
+  }
+  for (int j = 1; j < 12; ++j) a[0] = _mm256_add_ps(a[0], a[j]);
+  return (int64_t)hsum8(a[0]);
+}
+
 bool avx2_usable() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -533,6 +546,7 @@ bool qmm_rows_avx2(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_
 }
 void attn_group_avx2(const float*, int, const float*, const float*, int64_t, int64_t, float, float*, int64_t, float*,
                      int64_t, const int32_t*) {}
+int64_t avx2_fma_chains(int64_t) { return 0; }
 }  // namespace ultrafast
 
 #endif

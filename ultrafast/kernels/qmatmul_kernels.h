@@ -87,6 +87,9 @@ int64_t qmm_prep_units_avx2(int qtype, int64_t K);
 void qmm_prep_avx2(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool x8);
 bool qmm_rows_avx2(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
                    int64_t ldy, int64_t n0, int64_t n1, bool x8);
+// The multiply limit of the fp32 kernels here, measured: n iterations of 12 independent 8-lane FMA chains
+// (12 * n instructions, 8 multiply-adds each) on the calling thread. Returns a value derived from the sums.
+int64_t avx2_fma_chains(int64_t n);
 // attn_group_avx512's contract, for head_dim % 8 == 0.
 void attn_group_avx2(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t head_dim,
                      float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra);
