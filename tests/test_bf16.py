@@ -41,3 +41,32 @@ def test_bf16_is_refused_beside_the_packed_kernels(smollm_engine):
             Engine.from_loaded(smollm_engine.loaded, bf16=True, device="cpu", **bad)
     with pytest.raises(ValueError, match="2-D bf16"):
         BF16Linear(torch.zeros(4, 4), None)
+
+
+def test_fp32_multiplies_are_the_same_products_summed_in_fp32():
+    """Where the CPU has no bf16 multiplier the products run in fp32 on the widened operands: the bf16
+    matmul's own products (exact in fp32), so the two modes agree to the rounding of the sums."""
+    from ultrafast.bf16 import bf16_matmul_pays
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 320, generator=g).to(torch.bfloat16)
+    bias = torch.randn(48, generator=g)
+    x = torch.randn(5, 320, generator=g)
+    wide, native = BF16Linear(w, bias, fp32_multiplies=True), BF16Linear(w, bias)
+    assert "fp32 multiplies" in repr(wide) and "fp32 multiplies" not in repr(native)
+    want = x.to(torch.bfloat16).double() @ w.double().T + bias.double()
+    for lin in (wide, native):
+        got = lin(x)
+        assert got.dtype == torch.float32
+        scale = x.to(torch.bfloat16).double().abs() @ w.double().abs().T
+        assert ((got.double() - want).abs() <= 1e-2 * scale + 1e-5).all()
+    # the exact fp32 products: the widened mode is fp32 arithmetic on the rounded operands
+    assert torch.allclose(wide(x), torch.nn.functional.linear(x.to(torch.bfloat16).float(), w.float()) + bias)
+    assert isinstance(bf16_matmul_pays(64, rows=8, seconds=0.01), bool)
+
+
+def test_the_engine_names_the_multiplies_it_chose(engines):
+    _, bf16 = engines
+    flags = {m.fp32_multiplies for m in bf16.model.modules() if isinstance(m, BF16Linear)}
+    assert len(flags) == 1  # one choice for the model, timed once
+    assert ("fp32 multiplies" in bf16.kernels_in_use()) == flags.pop()

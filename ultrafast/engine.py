@@ -188,8 +188,10 @@ class Engine:
             return f"packed, {fused}, {path}"
         from .bf16 import BF16Linear
 
-        if any(isinstance(m, BF16Linear) for m in self.model.modules()):
-            return "reference, bf16 weights (PyTorch bf16 matmul)"
+        bf16 = [m for m in self.model.modules() if isinstance(m, BF16Linear)]
+        if bf16:
+            how = "fp32 multiplies of the bf16 operands" if bf16[0].fp32_multiplies else "PyTorch bf16 matmul"
+            return f"reference, bf16 weights ({how})"
         return "reference (fp32 nn.Linear)"
 
     # ---------------------------------------------------------------- prompts
