@@ -156,11 +156,12 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
     bar = tqdm(total=total, unit="tok", desc="target features", file=stream, dynamic_ncols=True, mininterval=1.0)
     # the training features from the bf16 forward (a second engine over the same loaded file, freed after) or
     # the engine's own; the held-out ones always from the engine, as the head reads them when drafting
-    feature_engine = Engine.from_loaded(engine.loaded, max_context=engine.max_context, device=str(engine.device),
-                                        bf16=True) if recipe.features == "bf16" else engine
-    train_f = extract(feature_engine, corpus.train, features_dir, "train", bar.update,
-                      budget=recipe.tokens if greedy else None, **gen)
-    del feature_engine
+    # (the bf16 engine is built only when some training sequence has no shard yet)
+    def bf16_engine():
+        return Engine.from_loaded(engine.loaded, max_context=engine.max_context, device=str(engine.device), bf16=True)
+
+    train_f = extract(bf16_engine if recipe.features == "bf16" else engine, corpus.train, features_dir, "train",
+                      bar.update, budget=recipe.tokens if greedy else None, **gen)
     held_f = extract(engine, corpus.heldout, features_dir, "heldout", bar.update, **gen)
     bar.close()
     feature_s = time.perf_counter() - t0

@@ -119,7 +119,8 @@ def _save_shard(path: Path, first: int, done: list) -> dict:
 def extract(engine, seqs: list[list[int]], directory: Path, label: str, progress=None, *, continue_to: int = 0,
             budget: int | None = None, batch: int = 16) -> Features:
     """Features of `seqs`, in shards `directory/label-NNNNN.pt`; shards already there (an earlier, interrupted
-    run over the same sequences) are read back instead of recomputed. `progress(n_tokens)` as tokens are done.
+    run over the same sequences) are read back instead of recomputed. engine: the target's engine, or a function
+    that builds it (called only when some sequence is not in a shard yet). `progress(n_tokens)` as tokens are done.
     continue_to > 0: `seqs` are prompts, each continued greedily to that many tokens (module docstring), `batch`
     at a time. budget: no sequence is taken once the ones before it hold this many tokens (None: all)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -152,6 +153,8 @@ def extract(engine, seqs: list[list[int]], directory: Path, label: str, progress
         take(blob)
     if not wanted():
         return out
+    if not hasattr(engine, "forward"):  # a function that builds it
+        engine = engine()
 
     pending: list = []  # finished sequences in order from index i on, not yet in a shard
     if continue_to:
