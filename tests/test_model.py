@@ -21,3 +21,18 @@ def test_attention_from_position_0_is_the_causal_masked_softmax():
     # the same rows computed after the first one (the masked path, start_pos 1) agree
     rest = AttentionCore()(q[1:], k_cache, v_cache, 1, 0.25)
     assert torch.allclose(rest, want[1:], atol=1e-5)
+
+
+def test_hidden_layers_come_after_the_last_layers_output(smollm_engine):
+    """hidden=(i, j): each row holds the last layer's output, then layer i's and layer j's (EAGLE-3's features),
+    each bit-identical to a forward that stops after that layer; the logits do not change."""
+    e = smollm_engine
+    ids = e.tokenizer.encode("def add(a, b):\n    return a + b\n")
+    D = e.config.dim
+    logits, last = e.forward(ids, 0, cache=e.new_cache(), hidden=True)
+    logits2, h = e.forward(ids, 0, cache=e.new_cache(), hidden=(2, 15))
+    assert h.shape == (len(ids), 3 * D)
+    assert torch.equal(logits, logits2) and torch.equal(h[:, :D], last)
+    for part, i in ((1, 2), (2, 15)):
+        _, upto = e.forward(ids, 0, cache=e.new_cache(), layers=list(range(i + 1)), hidden=True)
+        assert torch.equal(h[:, part * D:(part + 1) * D], upto)

@@ -422,7 +422,10 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
                        "tokens (what the tier verifies at temperature 0; code-share is then a share of prompts)",
              "gen_batch": "prompts continued together in batched passes (source greedy)",
              "features": "the training features' forward: bf16 (bf16 weights, PyTorch's bf16 matmul, ~2x faster) "
-                         "or packed (the engine's own kernels); held-out features are always the engine's"}
+                         "or packed (the engine's own kernels); held-out features are always the engine's",
+             "extra_layers": "target layers whose outputs the head reads beside the last one's (EAGLE-3's fused "
+                             "features): empty for none, eagle3 for the third and the middle layer, or indices "
+                             "like 2,12"}
     for f in fields(Recipe):
         kind = {"int": int, "float": float, "str": str,
                 "bool": lambda v: bool(int(v))}[f.type if isinstance(f.type, str) else f.type.__name__]

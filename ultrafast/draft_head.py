@@ -43,11 +43,18 @@ class HeadConfig:
     rope_theta: float
     vocab_size: int  # the target's
     draft_vocab_size: int
+    extra_layers: tuple[int, ...] = ()  # target layers whose outputs the head also reads (EAGLE-3's low and middle)
 
     @classmethod
-    def for_target(cls, c, draft_vocab_size: int, ffn_dim: int | None = None) -> "HeadConfig":
+    def for_target(cls, c, draft_vocab_size: int, ffn_dim: int | None = None,
+                   extra_layers: tuple[int, ...] = ()) -> "HeadConfig":
         return cls(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, ffn_dim or c.ffn_dim, c.norm_eps, c.rope_theta,
-                   c.vocab_size, draft_vocab_size)
+                   c.vocab_size, draft_vocab_size, tuple(extra_layers))
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of a target feature row: the last layer's output, then the extra layers' in order."""
+        return self.dim * (1 + len(self.extra_layers))
 
 
 def unit_rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -64,14 +71,14 @@ class DraftHead(nn.Module):
         self.register_buffer("draft_vocab", draft_vocab.long(), persistent=False)  # draft index -> target token
         # features enter standardized per dimension (the target's last layer has a few dimensions hundreds of
         # times the others, which would drown the rest after the head's first norm); set from training data
-        self.register_buffer("feat_mean", torch.zeros(c.dim))
-        self.register_buffer("feat_std", torch.ones(c.dim))
+        self.register_buffer("feat_mean", torch.zeros(c.feature_dim))
+        self.register_buffer("feat_std", torch.ones(c.feature_dim))
         # token embeddings enter at unit RMS: the target's are small (SmolLM2 ~0.13, Qwen2.5-1.5B ~0.017) beside
         # the standardized features, and the head learned to read the token many times slower at their scale
         self.register_buffer("emb_scale", torch.ones(()))
         d, hd = c.dim, c.head_dim
         # trained
-        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.fc = nn.Linear(d + c.feature_dim, d, bias=False)
         self.attention_norm = RMSNorm(d, c.norm_eps)
         self.attention_norm.weight.requires_grad_(True)
         self.wq = nn.Linear(d, c.n_heads * hd, bias=False)
@@ -104,8 +111,9 @@ class DraftHead(nn.Module):
             # start as "the feature before, carried over" (the mix passes the standardized feature through, the
             # layer's branches start small): training learns the step from one position's feature to the next
             d = self.config.dim
-            self.fc.weight[:, d:].copy_(torch.eye(d))
+            self.fc.weight[:, d:2 * d].copy_(torch.eye(d))
             self.fc.weight[:, :d].mul_(0.1)
+            self.fc.weight[:, 2 * d:].mul_(0.1)
             self.wo.weight.mul_(0.1)
             self.w2.weight.mul_(0.1)
 
@@ -144,8 +152,12 @@ class DraftHead(nn.Module):
     # ------------------------------------------------------------ the network, in pieces (training reuses them)
 
     def mix(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
-        """[T, D] token embeddings and [T, D] features (raw target features or the head's own predictions)."""
-        z = ((feat - self.feat_mean) / self.feat_std).clamp(-FEATURE_CLIP, FEATURE_CLIP)
+        """[T, D] token embeddings and features: the target's rows [T, feature_dim], or the head's own predictions
+        of the last layer's [T, D] (the extra layers' parts then read as their mean: zero once standardized)."""
+        n = feat.shape[-1]
+        z = ((feat - self.feat_mean[:n]) / self.feat_std[:n]).clamp(-FEATURE_CLIP, FEATURE_CLIP)
+        if n < self.config.feature_dim:
+            z = torch.cat([z, z.new_zeros(*z.shape[:-1], self.config.feature_dim - n)], dim=-1)
         return self.fc(torch.cat([emb * self.emb_scale, z], dim=-1))
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
@@ -171,7 +183,8 @@ class DraftHead(nn.Module):
         """The layer's output, read in the standardized feature space: the predicted feature, pre-norm."""
         h = x + self.wo(attn)
         g = self.ffn_norm(h)
-        return self.feat_mean + self.feat_std * (h + self.w2(F.silu(self.w1(g)) * self.w3(g)))
+        d = self.config.dim
+        return self.feat_mean[:d] + self.feat_std[:d] * (h + self.w2(F.silu(self.w1(g)) * self.w3(g)))
 
     def logits(self, f: torch.Tensor) -> torch.Tensor:
         """Predicted features -> logits over the draft vocabulary."""
@@ -282,7 +295,7 @@ def load_head(path: str | Path, model, target_sha256: str, pack: bool | None = N
     if blob["target_sha256"] != target_sha256:
         raise DraftHeadError(f"{path}: this draft head was trained for the model file with sha256 "
                              f"{blob['target_sha256'][:16]}..., not this one ({target_sha256[:16]}...)")
-    c = HeadConfig(**blob["config"])
+    c = HeadConfig(**{**blob["config"], "extra_layers": tuple(blob["config"].get("extra_layers", ()))})
     mc = model.config
     if (c.dim, c.vocab_size, c.n_heads, c.n_kv_heads, c.head_dim) != \
             (mc.dim, mc.vocab_size, mc.n_heads, mc.n_kv_heads, mc.head_dim):

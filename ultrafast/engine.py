@@ -314,7 +314,7 @@ def _head_step_time(engine: "Engine", reps: int = 5) -> float:
     from .drafters.head import HeadDrafter
 
     d = HeadDrafter(engine, engine.draft_head, 0.0, 64)
-    d.observe(0, torch.zeros(16, engine.config.dim), list(range(1, 17)))
+    d.observe(0, torch.zeros(16, engine.draft_head.config.feature_dim), list(range(1, 17)))
     d.propose(list(range(17)), 1)  # the catch-up
     times = []
     for _ in range(reps):

@@ -173,7 +173,9 @@ class Transformer(nn.Module):
         """Several sequences in one pass (continuous batching): tokens holds lens[s] rows of sequence s at
         positions starts[s].., each with its own cache. Returns logits of every row (all_logits) or of each
         sequence's last row [n_sequences, vocab]. Rows never influence each other's values. hidden: also the
-        last layer's output for every row, before the final norm (what a draft head reads): (logits, h [T, dim])."""
+        last layer's output for every row, before the final norm (what a draft head reads): (logits, h [T, dim]);
+        a tuple of layer indices instead of True appends those layers' outputs to each row (EAGLE-3's low and
+        middle features): h [T, (1 + len(hidden)) * dim], the last layer's first."""
         if self.mirror is not None:
             self.mirror.forward(tokens, starts, lens, caches, all_logits, layers, hidden, tree)
         # [T, D], once per pass for every layer; a table, so a position's values never depend on the batch
@@ -189,11 +191,15 @@ class Transformer(nn.Module):
             positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(tokens.device)
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = self.tok_embeddings(tokens)
+        extra = tuple(hidden) if isinstance(hidden, (tuple, list)) else ()
+        kept = {}
         for i in range(len(self.layers)) if layers is None else layers:
             layer = self.layers[i]
             segments = [(s, n, c.k_layers[i], c.v_layers[i]) for s, n, c in zip(starts, lens, caches)]
             x = layer(x, cos, sin, segments) if tree is None else layer(x, cos, sin, segments, tree)
-        h = x
+            if i in extra:
+                kept[i] = x.clone()
+        h = torch.cat([x] + [kept[i] for i in extra], dim=-1) if extra else x
         if not all_logits:
             x = x[-1:] if len(lens) == 1 else x[torch.tensor(lens, device=x.device).cumsum(0) - 1]
         logits = self.output(self.norm(x)).float()

@@ -163,11 +163,18 @@ class SpeculativeStepper:
         self._readers = [d for d in drafters if getattr(d, "wants_hidden", False)]
 
     @property
-    def wants_hidden(self) -> bool:
-        return bool(self._readers)
+    def wants_hidden(self) -> bool | tuple[int, ...]:
+        """The `hidden` argument of the target's forward that the feature readers need: False (none), True (the
+        last layer's output) or the extra layers' indices whose outputs follow it (`Transformer.forward_multi`)."""
+        if not self._readers:
+            return False
+        specs = {d.wants_hidden for d in self._readers}
+        if len(specs) > 1:
+            raise ValueError("drafters that read different target layers cannot share a pass")
+        return specs.pop()
 
     def observe(self, start_pos: int, features, tokens_after: list[int]) -> None:
-        """The target's last-layer features at positions start_pos.. (rows that were kept) and the tokens that
+        """The target's features (`wants_hidden`) at positions start_pos.. (rows that were kept) and the tokens that
         followed them: for drafters that read features (the prefill calls this too)."""
         for d in self._readers:
             d.observe(start_pos, features, tokens_after)
@@ -303,7 +310,7 @@ class SpeculativeStepper:
                 drafter, cls, parents = None, 0, None
         chain = list(range(len(drafts)))
         tree = None if parents is None or parents == chain else TreeLayout([-1] + parents, pos)
-        extra = {"hidden": True} if self.wants_hidden else {}
+        extra = {"hidden": self.wants_hidden} if self.wants_hidden else {}
         if tree is not None:
             extra["tree"] = tree
         logits = self.engine.forward([tok] + drafts, pos, all_logits=bool(drafts), cache=self.cache, **extra)

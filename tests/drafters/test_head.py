@@ -70,3 +70,52 @@ def test_a_request_starts_from_the_heads_own_held_out_figure(tiny_head, smollm_e
     assert d.expected_accepted == pytest.approx(report["heldout"]["tau_by_chain_length"][-1] - 1.0)
     st = SpeculativeStepper(smollm_engine, smollm_engine.new_cache(), [d], [0.0] + [1.0 + 0.2 * k for k in range(17)])
     assert st.stats.by_drafter["head"].tree_accepted == d.expected_accepted
+
+
+@pytest.fixture(scope="module")
+def fused_head(smollm_path, tmp_path_factory):
+    """A tiny head that also reads two lower layers' outputs (EAGLE-3's fused features): (report, path)."""
+    import io
+
+    from tests.conftest import docstring_conversations
+    from ultrafast.training import Recipe, train_draft
+
+    d = tmp_path_factory.mktemp("fused-head")
+    recipe = Recipe(tokens=4000, seq_len=192, epochs=3, depth=2, lr=2e-3, batch_tokens=384, draft_vocab=2048,
+                    code_share=0.3, heldout=6, extra_layers="12,3")
+    report = train_draft(str(smollm_path), recipe, out=d / "head.pt", work_dir=d / "work", stream=io.StringIO(),
+                         conversations=docstring_conversations())
+    return report, d / "head.pt"
+
+
+def test_a_head_on_fused_features_trains_drafts_as_trained_and_stays_exact(fused_head, smollm_engine, smollm_path):
+    """extra_layers: the head reads the target's last layer and layers 3 and 12 (sorted), learns, drafts from
+    the same rows training computed, the stepper asks the target's forward for those layers, and the ultrafast
+    tier still emits the standard tier's tokens."""
+    from ultrafast.engine import Engine
+
+    report, path = fused_head
+    assert report["heldout"]["acceptance_by_depth"][0] > report["heldout_untrained"]["acceptance_by_depth"][0] + 0.1
+    e = smollm_engine
+    head = load_head(path, e.model, file_sha256(smollm_path), pack=False)
+    assert head.config.extra_layers == (3, 12) and head.config.feature_dim == 3 * e.config.dim
+    ids = e.chat_prompt([{"role": "user", "content": "Name three rivers of Europe and their lengths."}])
+    feats, _ = sequence_features(e, ids, e.new_cache(), layers=(3, 12))
+    feats = feats.float()
+    (pos1, pred1), (pos2, pred2) = chain_passes(head, e.model.tok_embeddings(torch.tensor(ids)).float(), feats, 2)
+    p = len(ids) - 3
+    d = HeadDrafter(e, head, 0.05, 512)
+    assert d.wants_hidden == (3, 12)
+    d.observe(0, feats[:p], ids[1:p + 1])
+    d._flush()
+    assert torch.allclose(d.f_last[0], pred1[pos1 == p][0], atol=1e-3, rtol=1e-3)
+    nxt = d._rows(p + 1, [ids[p + 1]], d.f_last)  # depth 2: its own (last-layer) prediction fed back
+    assert torch.allclose(nxt[0], pred2[pos2 == p + 1][0], atol=1e-3, rtol=1e-3)
+
+    fast_e = Engine.from_path(smollm_path, max_context=1024)
+    fast_e.attach_draft_head(path)
+    fast_e.fixed_draft_k = 3
+    params = SamplingParams(max_tokens=40)
+    std = fast_e.generate(ids, params)
+    fast = fast_e.generate(ids, params, tier="ultrafast", drafters=["head"])
+    assert fast.token_ids == std.token_ids and fast.spec["drafters"]["head"]["drafted"] > 0

@@ -174,10 +174,18 @@ def test_a_tiny_head_trains_on_the_targets_own_continuations(smollm_path, tmp_pa
 
 
 @pytest.mark.parametrize("bad", [{"tokens": 0}, {"seq_len": 8}, {"lr": 0.0}, {"epochs": 0}, {"draft_vocab": -1},
-                                 {"source": "web"}, {"gen_batch": 0}, {"features": "fp8"}])
+                                 {"source": "web"}, {"gen_batch": 0}, {"features": "fp8"}, {"extra_layers": "low"}])
 def test_bad_recipes_are_refused(bad):
     with pytest.raises(ValueError):
         Recipe(**bad).validate()
+
+
+def test_extra_layers_name_distinct_layers_below_the_last():
+    assert Recipe().layers_for(30) == () and Recipe(extra_layers="eagle3").layers_for(30) == (2, 15)
+    assert Recipe(extra_layers="12,3").layers_for(30) == (3, 12)
+    for bad in ("3,3", "29", "-1"):
+        with pytest.raises(ValueError, match="extra-layers"):
+            Recipe(extra_layers=bad).layers_for(30)
 
 
 def test_train_draft_cli_refuses_bad_values(capsys):

@@ -93,7 +93,8 @@ def measure(engine, prompts: list[list[int]], *, max_tokens: int, depth: int = 5
     with Progress(sum(map(len, prompts)) + max_tokens * len(prompts), "greedy answers", "tok",
                   file=progress_file) as bar:
         for i, result in continue_greedily(engine, enumerate(prompts), engine.max_context, batch, bar.update,
-                                           new_tokens=max_tokens, prompt_labels=False):
+                                           new_tokens=max_tokens, prompt_labels=False,
+                                           layers=engine.draft_head.config.extra_layers if engine.draft_head else ()):
             answers[i] = result
     head = engine.draft_head
     names = list(LOOKUPS) + (["head"] + [f"head tree {n}" for n in nodes] if head is not None else [])

@@ -17,8 +17,9 @@ class Drafter(Protocol):
     # optional: cost_per_token (draft forwards, in target 1-token forwards; 0 if absent: a lookup),
     # catch_up_cost(context) (what it spends before its first draft, e.g. feeding a prompt) and, for
     # lookups, match_len (how many context tokens the last proposal matched: the policy keeps acceptance
-    # per match-length class); wants_hidden = True and observe(start_pos, features, tokens_after) for a
-    # drafter that reads the target's last-layer features (a draft head): the stepper hands it the rows it kept
+    # per match-length class); wants_hidden (True, or the indices of further layers whose outputs follow the
+    # last layer's in each row) and observe(start_pos, features, tokens_after) for a drafter that reads the
+    # target's features (a draft head): the stepper hands it the rows it kept
 
     def begin(self, prompt_ids: list[int]) -> None:
         """A new request starts with this prompt."""

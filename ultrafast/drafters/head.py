@@ -28,10 +28,11 @@ import torch
 
 class HeadDrafter:
     name = "head"
-    wants_hidden = True
 
     def __init__(self, engine, head, cost_per_token: float, max_len: int):
         c = head.config
+        # what the target's forward hands over: its last layer's output, and those of the head's extra layers
+        self.wants_hidden = tuple(c.extra_layers) or True
         self.engine, self.head, self.cost_per_token = engine, head, cost_per_token
         self.k = torch.zeros(max_len, c.n_kv_heads, c.head_dim)
         self.v = torch.zeros(max_len, c.n_kv_heads, c.head_dim)

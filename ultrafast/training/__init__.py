@@ -41,6 +41,7 @@ class Recipe:
     source: str = "text"  # "text": the corpus as written; "greedy": its prompts continued by the target itself
     gen_batch: int = 16  # prompts continued together (source greedy); the data does not depend on it
     features: str = "bf16"  # the training features' forward: "bf16" (bf16.py, ~2x faster) or "packed" (the engine)
+    extra_layers: str = ""  # target layers the head also reads (EAGLE-3): "" none, "eagle3" (a low and a middle one) or "i,j"
 
     SOURCES = ("text", "greedy")
     FEATURES = ("bf16", "packed")
@@ -59,8 +60,14 @@ class Recipe:
             raise ValueError("lr must be positive")
         if self.draft_vocab < 0 or self.ffn_dim < 0:
             raise ValueError("draft-vocab and ffn-dim must be >= 0")
+        if self.extra_layers not in ("", "eagle3"):
+            try:
+                [int(v) for v in self.extra_layers.split(",")]
+            except ValueError:
+                raise ValueError(f"extra-layers must be empty, eagle3 or layer indices like 2,14; got "
+                                 f"{self.extra_layers!r}") from None
 
-    DATA = ("tokens", "seq_len", "code_share", "heldout", "seed", "source", "features")  # what the features depend on
+    DATA = ("tokens", "seq_len", "code_share", "heldout", "seed", "source", "features", "extra_layers")  # what the features depend on
 
     TRAINING_VERSION = 2  # raised when training changes what a checkpoint holds (2: the embedding scale)
 
@@ -72,10 +79,22 @@ class Recipe:
     def data_key(self) -> str:
         """Identifies the feature shards (the data fields only: runs that differ in training reuse them)."""
         data = {k: getattr(self, k) for k in self.DATA}
-        for name, before in (("source", "text"), ("features", "packed")):
+        for name, before in (("source", "text"), ("features", "packed"), ("extra_layers", "")):
             if data[name] == before:  # as before there was a choice: earlier runs' shards stay valid
                 del data[name]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+    def layers_for(self, n_layers: int) -> tuple[int, ...]:
+        """The extra layers' indices for a target of n_layers (eagle3: the third layer and the middle one)."""
+        if not self.extra_layers:
+            return ()
+        if self.extra_layers == "eagle3":
+            return (2, n_layers // 2)
+        got = tuple(sorted(int(v) for v in self.extra_layers.split(",")))
+        if any(not 0 <= i < n_layers - 1 for i in got) or len(set(got)) != len(got):
+            raise ValueError(f"extra-layers {self.extra_layers!r}: distinct indices below the last layer "
+                             f"({n_layers - 1}) expected")
+        return got
 
     def ffn_for(self, dim: int, ffn_dim: int) -> int:
         return self.ffn_dim or min(ffn_dim, 3 * dim)
@@ -160,9 +179,10 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
     def bf16_engine():
         return Engine.from_loaded(engine.loaded, max_context=engine.max_context, device=str(engine.device), bf16=True)
 
+    layers = recipe.layers_for(engine.config.n_layers)
     train_f = extract(bf16_engine if recipe.features == "bf16" else engine, corpus.train, features_dir, "train",
-                      bar.update, budget=recipe.tokens if greedy else None, **gen)
-    held_f = extract(engine, corpus.heldout, features_dir, "heldout", bar.update, **gen)
+                      bar.update, budget=recipe.tokens if greedy else None, layers=layers, **gen)
+    held_f = extract(engine, corpus.heldout, features_dir, "heldout", bar.update, layers=layers, **gen)
     bar.close()
     feature_s = time.perf_counter() - t0
     n_train = sum(t.numel() for t in train_f.tokens)
@@ -172,7 +192,8 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
     counts = torch.bincount(torch.cat(train_f.greedy), minlength=V)
     vd = recipe.vocab_for(V)
     draft_vocab = torch.sort(torch.topk(counts, vd).indices).values
-    head = DraftHead(HeadConfig.for_target(engine.config, vd, recipe.ffn_for(engine.config.dim, engine.config.ffn_dim)), draft_vocab)
+    head = DraftHead(HeadConfig.for_target(engine.config, vd, recipe.ffn_for(engine.config.dim, engine.config.ffn_dim),
+                                           layers), draft_vocab)
     head.attach_target(engine.model)
     head.reset_parameters(recipe.seed)
     head.set_feature_stats(train_f.feats)

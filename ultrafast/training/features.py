@@ -30,25 +30,28 @@ class Features:
 
 
 @torch.inference_mode()
-def sequence_features(engine, ids: list[int], cache, labels: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_features(engine, ids: list[int], cache, labels: bool = True,
+                      layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """(features [T, D] bf16, greedy [T]) of one sequence, from a forward at position 0 in `cache`.
-    labels=False: only the last row's greedy token is computed (the LM head runs on one row); the others are -1."""
-    logits, h = engine.forward(ids, 0, cache=cache, hidden=True)
+    labels=False: only the last row's greedy token is computed (the LM head runs on one row); the others are -1.
+    layers: also these layers' outputs, after the last layer's in each row ([T, (1 + len(layers)) * D])."""
+    logits, h = engine.forward(ids, 0, cache=cache, hidden=tuple(layers) or True)
     if not labels:
         greedy = torch.full((h.shape[0],), -1, dtype=torch.long)
         greedy[-1] = logits[-1].argmax()
         return h.to(torch.bfloat16), greedy
     m = engine.model
-    greedy = torch.cat([m.output(m.norm(h[i:i + HEAD_CHUNK])).argmax(-1) for i in range(0, h.shape[0], HEAD_CHUNK)])
+    last = h[:, :engine.config.dim]
+    greedy = torch.cat([m.output(m.norm(last[i:i + HEAD_CHUNK])).argmax(-1) for i in range(0, h.shape[0], HEAD_CHUNK)])
     return h.to(torch.bfloat16), greedy
 
 
 class _Continuation:
     """One prompt being continued: its tokens so far, per-row features and greedy labels, and its cache."""
 
-    def __init__(self, index: int, ids: list[int], engine, labels: bool = True):
+    def __init__(self, index: int, ids: list[int], engine, labels: bool = True, layers: tuple[int, ...] = ()):
         self.index, self.cache, self.prompt_len = index, engine.new_cache(), len(ids)
-        f, g = sequence_features(engine, ids, self.cache, labels)
+        f, g = sequence_features(engine, ids, self.cache, labels, layers)
         self.tokens, self.feats, self.greedy = list(ids), [f], [g]
 
     def next_token(self) -> int:
@@ -61,7 +64,7 @@ class _Continuation:
 
 @torch.inference_mode()
 def continue_greedily(engine, prompts, length: int, batch: int = 16, progress=None, new_tokens: int | None = None,
-                      prompt_labels: bool = True):
+                      prompt_labels: bool = True, layers: tuple[int, ...] = ()):
     """Yields (index, (tokens [T] int32, features [T, D] bf16, greedy [T] int32)) for each (index, prompt ids) of
     the iterable `prompts`, continued by the target's greedy tokens until `length` tokens, `new_tokens` tokens
     generated (the last one only as a label) or an end token, in the order they finish. At most `batch` are
@@ -84,7 +87,7 @@ def continue_greedily(engine, prompts, length: int, batch: int = 16, progress=No
             index, ids = nxt
             if len(ids) >= length:
                 raise ValueError(f"a prompt of {len(ids)} tokens leaves nothing to continue within {length}")
-            c = _Continuation(index, ids, engine, prompt_labels)
+            c = _Continuation(index, ids, engine, prompt_labels, layers)
             if progress:
                 progress(len(ids))
             if done(c):
@@ -94,7 +97,7 @@ def continue_greedily(engine, prompts, length: int, batch: int = 16, progress=No
         if not live:
             return
         rows = [([c.next_token()], len(c.tokens), c.cache) for c in live]
-        logits, h = engine.forward_batch(rows, hidden=True)
+        logits, h = engine.forward_batch(rows, hidden=tuple(layers) or True)
         nxt_tok = logits.argmax(-1)
         for j, c in enumerate(live):
             c.tokens.append(rows[j][0][0])
@@ -117,12 +120,13 @@ def _save_shard(path: Path, first: int, done: list) -> dict:
 
 
 def extract(engine, seqs: list[list[int]], directory: Path, label: str, progress=None, *, continue_to: int = 0,
-            budget: int | None = None, batch: int = 16) -> Features:
+            budget: int | None = None, batch: int = 16, layers: tuple[int, ...] = ()) -> Features:
     """Features of `seqs`, in shards `directory/label-NNNNN.pt`; shards already there (an earlier, interrupted
     run over the same sequences) are read back instead of recomputed. engine: the target's engine, or a function
     that builds it (called only when some sequence is not in a shard yet). `progress(n_tokens)` as tokens are done.
     continue_to > 0: `seqs` are prompts, each continued greedily to that many tokens (module docstring), `batch`
-    at a time. budget: no sequence is taken once the ones before it hold this many tokens (None: all)."""
+    at a time. budget: no sequence is taken once the ones before it hold this many tokens (None: all). layers: the
+    extra layers whose outputs follow the last layer's in each feature row (`sequence_features`)."""
     directory.mkdir(parents=True, exist_ok=True)
     out = Features([], [], [])
     i, shard, held = 0, 0, 0
@@ -164,7 +168,8 @@ def extract(engine, seqs: list[list[int]], directory: Path, label: str, progress
                     return
                 yield k, seqs[k]
 
-        stream = continue_greedily(engine, prompts(), min(continue_to, engine.max_context), batch, progress)
+        stream = continue_greedily(engine, prompts(), min(continue_to, engine.max_context), batch, progress,
+                                   layers=layers)
     else:
         cache = engine.new_cache()
 
@@ -173,7 +178,7 @@ def extract(engine, seqs: list[list[int]], directory: Path, label: str, progress
                 ids = seqs[k]
                 if len(ids) >= engine.max_context:
                     raise ValueError(f"a sequence of {len(ids)} tokens does not fit the context {engine.max_context}")
-                f, g = sequence_features(engine, ids, cache)
+                f, g = sequence_features(engine, ids, cache, layers=layers)
                 if progress:
                     progress(len(ids))
                 yield k, (torch.tensor(ids, dtype=torch.int32), f, g.to(torch.int32))

@@ -71,7 +71,7 @@ def sequence_loss(head: DraftHead, emb, feats, tokens, greedy, depth: int, reg_w
         keep = on_greedy_path(tokens, greedy, positions, s) if s > 1 else torch.ones(len(positions), dtype=torch.bool)
         if not keep.any():
             continue
-        pred, target = pred[keep], feats[positions[keep]]
+        pred, target = pred[keep], feats[positions[keep], :head.config.dim]
         p = torch.softmax(teacher_logits(head, target), dim=-1)
         ce = -(p * torch.log_softmax(head.logits(pred), dim=-1)).sum(-1)
         reg = F.smooth_l1_loss(unit_rms(pred), unit_rms(target), reduction="none").mean(-1)
