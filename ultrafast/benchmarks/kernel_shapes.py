@@ -1,0 +1,122 @@
+"""Each linear of the model's decoder layers through the packed kernel, with its weights from memory and from cache.
+
+    python -m ultrafast.benchmarks.kernel_shapes [--model qwen2.5-coder-1.5b] [--ks 1,2,4,8,16] [--reps 5]
+                                                 [--threads 2] [--json F]
+
+For every linear of a decoder layer (q, k, v, o, gate, up, down) and every k: the time of one k-row product
+(`kernels.qmatmul`: the kernel the fused layer runs, with x's preparation and the threads' start) with the weights streamed from memory (the same linear of every
+layer in turn: all layers' copies are far larger than the caches) against the same product over the first
+layer's copy only, called as many times (its bytes stay in the caches after the first call). Where the two
+agree, the kernel is bound by its own instructions, not by the memory; the weight stream's GB/s and, on the
+VNNI path, the share of the multiply peak (`kernels.multiply_peak`, measured in the same run) say how far it is
+from either limit. Best of --reps per figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from .. import kernels
+from ..packed import PackedLinear
+
+
+def best_per_call(mods: list[PackedLinear], k: int, reps: int) -> float:
+    """Seconds per k-row product, best of `reps` sweeps over `mods` (one product each)."""
+    x = torch.randn(k, mods[0].in_features)
+    kernels.qmatmul(x, mods[0].raw, mods[0].qtype, mods[0].in_features, mods[0].act_bits)  # threads up, x's buffers
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for m in mods:
+            kernels.qmatmul(x, m.raw, m.qtype, m.in_features, m.act_bits)
+        best = min(best, time.perf_counter() - t)
+    return best / len(mods)
+
+
+def layer_linears(model) -> dict[str, list[PackedLinear]]:
+    """Each packed linear of a decoder layer, by its name in the layer, with its copy in every layer."""
+    out: dict[str, list[PackedLinear]] = {}
+    for layer in model.layers:
+        for name, m in layer.named_modules():
+            if isinstance(m, PackedLinear):
+                out.setdefault(name, []).append(m)
+    return out
+
+
+def run(model: str, ks: list[int], reps: int = 5, threads: int = 2) -> dict:
+    from ..engine import Engine
+
+    torch.set_num_threads(threads)
+    engine = Engine.from_model(model, max_context=64)
+    mats = layer_linears(engine.model)
+    if not mats:
+        raise ValueError(f"{model}: no packed weights (the CPU kernels did not build?)")
+    info = engine.describe()
+    vnni = "vnni" in info["kernels"]
+    peaks = [kernels.multiply_peak(threads)] if vnni else []
+    rows = []
+    for name, mods in mats.items():
+        m = mods[0]
+        for k in ks:
+            memory = best_per_call(mods, k, reps)
+            cached = best_per_call([m] * len(mods), k, reps)
+            rows.append({"linear": name.split(".")[-1], "qtype": m.qtype, "out": m.out_features, "in": m.in_features,
+                         "act_bits": m.act_bits, "k": k, "memory_ms": memory * 1e3, "cached_ms": cached * 1e3,
+                         "memory_gb_s": m.raw.numel() / memory / 1e9})
+    # the peak again after the products, the higher kept: a shared host sometimes holds one of the threads back
+    peak = max(peaks + [kernels.multiply_peak(threads)], key=lambda p: p.vpdpbusd_per_s) if vnni else None
+    for x in rows:
+        macs_per_s = x["k"] * x["in"] * x["out"] / (x["memory_ms"] / 1e3)
+        x["pct_of_peak"] = 100 * macs_per_s / peak.macs_per_s(x["act_bits"]) if peak else None
+    return {"model": model, "kernels": info["kernels"], "threads": threads, "layers": len(engine.model.layers),
+            "vpdpbusd_per_s": peak.vpdpbusd_per_s if peak else None, "rows": rows}
+
+
+def format_table(r: dict) -> str:
+    head = (f"{r['model']}, {r['kernels']}, {r['threads']} threads; each figure the best of the runs; memory: the "
+            f"linear of each of the {r['layers']} layers in turn, cached: the first layer's again")
+    lines = [head, f"{'linear':>8} {'shape':>12} {'k':>3} {'memory ms':>10} {'cached ms':>10} {'memory/cached':>14} "
+                   f"{'GB/s':>6} {'% of peak':>10}"]
+    for x in r["rows"]:
+        pct = f"{x['pct_of_peak']:.0f}%" if x["pct_of_peak"] is not None else "-"
+        lines.append(f"{x['linear']:>8} {str(x['out']) + 'x' + str(x['in']):>12} {x['k']:>3} {x['memory_ms']:>10.3f} "
+                     f"{x['cached_ms']:>10.3f} {x['memory_ms'] / x['cached_ms']:>14.2f} {x['memory_gb_s']:>6.1f} "
+                     f"{pct:>10}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from ..pull import PullError
+
+    ap = argparse.ArgumentParser(prog="python -m ultrafast.benchmarks.kernel_shapes")
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--ks", default="1,2,4,8,16", help="rows per product, comma-separated")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    args = ap.parse_args(argv)
+    try:
+        ks = [int(v) for v in args.ks.split(",")]
+    except ValueError:
+        ap.error(f"--ks: comma-separated row counts expected, got {args.ks!r}")
+    if any(k < 1 for k in ks) or args.reps < 1 or args.threads < 1:
+        ap.error("--ks, --reps and --threads must be positive")
+    try:
+        r = run(args.model, ks, args.reps, args.threads)
+    except (ValueError, FileNotFoundError, PullError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
