@@ -161,17 +161,12 @@ class SpeculativeStepper:
         self._tree_pred = 0.0  # the likelihood sum of the tree being verified
         # drafters that read the target's hidden states (a draft head): every pass hands them the kept rows'
         self._readers = [d for d in drafters if getattr(d, "wants_hidden", False)]
-
-    @property
-    def wants_hidden(self) -> bool | tuple[int, ...]:
-        """The `hidden` argument of the target's forward that the feature readers need: False (none), True (the
-        last layer's output) or the extra layers' indices whose outputs follow it (`Transformer.forward_multi`)."""
-        if not self._readers:
-            return False
         specs = {d.wants_hidden for d in self._readers}
         if len(specs) > 1:
             raise ValueError("drafters that read different target layers cannot share a pass")
-        return specs.pop()
+        # the `hidden` argument of the target's forward that the feature readers need: False (none), True (the
+        # last layer's output) or the extra layers' indices whose outputs follow it (`Transformer.forward_multi`)
+        self.wants_hidden: bool | tuple[int, ...] = specs.pop() if specs else False
 
     def observe(self, start_pos: int, features, tokens_after: list[int]) -> None:
         """The target's features (`wants_hidden`) at positions start_pos.. (rows that were kept) and the tokens that
