@@ -29,6 +29,7 @@
 
 #include <immintrin.h>
 
+#include "attention_simd.h"
 #include "qmatmul_fp32.h"
 
 #define UF_INLINE inline __attribute__((always_inline))
@@ -319,80 +320,54 @@ struct KDirect : LDirect<D::BYTES, D::UNIT, D::UNIT_BYTES> {
 constexpr int RMAX = 2;  // activation rows per chunk: two rows' accumulators beside 8 decoded weight vectors
 
 
-// exp for x <= 0 (softmax arguments), Cephes expf polynomial; 2^n through the exponent field (n >= -126
-// after the clamp); ~1 ulp.
-UF_INLINE __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+// The 8-lane vector of the attention (attention_simd.h).
+struct V256 {
+  using F = __m256;
+  static constexpr int W = 8, HEADS = 3;
+  static UF_INLINE F zero() { return _mm256_setzero_ps(); }
+  static UF_INLINE F set1(float x) { return _mm256_set1_ps(x); }
+  static UF_INLINE F load(const float* p) { return _mm256_loadu_ps(p); }
+  static UF_INLINE void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static UF_INLINE __m256i first(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static UF_INLINE F load_first(const float* p, int n) { return _mm256_maskload_ps(p, first(n)); }
+  static UF_INLINE F keep_first(F v, int n) { return _mm256_and_ps(_mm256_castsi256_ps(first(n)), v); }
+  static UF_INLINE void store_first(float* p, F v, int n) { _mm256_maskstore_ps(p, first(n), v); }
+  static UF_INLINE F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static UF_INLINE F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static UF_INLINE F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static UF_INLINE F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static UF_INLINE F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static UF_INLINE float reduce_max(F v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static UF_INLINE float reduce_add(F v) { return hsum8(v); }
 
-// Lane t of the result = fixed-tree sum of the 8 lanes of a[t] (pairs within 128-bit lanes, then 128-bit
-// halves); no lane of a[t] reaches another output lane, so a key's score never depends on its neighbours.
-UF_INLINE __m256 transpose_reduce8(const __m256* a) {
-  __m256 s[4], u[2];
+  static UF_INLINE F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static UF_INLINE F round(F v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // 2^n through the exponent field (n >= -126 after exp_neg's clamp)
+  static UF_INLINE F scale2n(F p, F n) {
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+
+  // Lane t = fixed-tree sum of the 8 lanes of a[t] (pairs within 128-bit lanes, then 128-bit halves).
+  static UF_INLINE F transpose_reduce(const F* a) {
+    __m256 s[4], u[2];
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i)
-    s[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+      s[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
 #pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i) {
-    const __m256d x = _mm256_castps_pd(s[2 * i]), y = _mm256_castps_pd(s[2 * i + 1]);
-    u[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
-  }
-  return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
-}
-
-// out[g] = inv[g] * sum_j p[g][j] * v_j over dims [8*v0, 8*(v0+NV)) for G <= 3 heads (NV <= 4). Value rows:
-// j < P are rows j, later ones rows extra[j - P] (the same accumulation order either way).
-template <int NV, int G>
-__attribute__((noinline)) void attn_pv_chunk(const float* vc, int64_t L, int64_t hd, const float* sc, int64_t lds,
-                                             int v0, const float* inv, float* out, int64_t P, const int32_t* extra) {
-  __m256 o[G][NV];
-#pragma GCC unroll 3
-  for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) o[g][v] = _mm256_setzero_ps();
-  const float* vb = vc + 8 * v0;
-  for (int64_t j = 0; j < L; ++j) {
-    __m256 vv[NV];
-    const int64_t jr = extra == nullptr || j < P ? j : (int64_t)extra[j - P];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) vv[v] = _mm256_loadu_ps(vb + jr * hd + 8 * v);
-#pragma GCC unroll 3
-    for (int g = 0; g < G; ++g) {
-      const __m256 pj = _mm256_broadcast_ss(sc + g * lds + j);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) o[g][v] = _mm256_fmadd_ps(pj, vv[v], o[g][v]);
+    for (int i = 0; i < 2; ++i) {
+      const __m256d x = _mm256_castps_pd(s[2 * i]), y = _mm256_castps_pd(s[2 * i + 1]);
+      u[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
     }
+    return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
   }
-#pragma GCC unroll 3
-  for (int g = 0; g < G; ++g) {
-    const __m256 iv = _mm256_set1_ps(inv[g]);
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + g * hd + 8 * (v0 + v), _mm256_mul_ps(o[g][v], iv));
-  }
-}
-
-template <int NV>
-UF_INLINE void attn_pv_heads(int G, const float* vc, int64_t L, int64_t hd, const float* sc, int64_t lds, int v0,
-                             const float* inv, float* out, int64_t P, const int32_t* ex) {
-  switch (G) {
-    case 1: attn_pv_chunk<NV, 1>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
-    case 2: attn_pv_chunk<NV, 2>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
-    default: attn_pv_chunk<NV, 3>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
-  }
-}
+};
 }  // namespace
 
 int64_t qmm_prep_bytes_avx2(int qtype, int64_t K) {
@@ -417,94 +392,7 @@ bool qmm_rows_avx2(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uin
 
 void attn_group_avx2(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd, float scale,
                      float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra) {
-  // The contract and the three passes of attn_group_avx512, 8 keys / 8 dims at a time.
-  const int64_t nv = hd / 8;
-  if (extra == nullptr) P = L;
-  // pass 1: scores, 8 keys at a time; a partial last block leaves the missing keys' sums at zero. Blocks past
-  // the contiguous prefix (a tree's ancestors) gather their rows into `tb` first: the same values in the same
-  // lanes, so the same sums.
-  alignas(32) float tb[8 * 256];
-  alignas(32) float part[8];
-  for (int64_t j0 = 0; j0 < L; j0 += 8) {
-    const int cnt = L - j0 < 8 ? (int)(L - j0) : 8;
-    const float* kb = kc + j0 * hd;
-    if (j0 + cnt > P && hd <= 256) {
-      for (int t = 0; t < cnt; ++t) {
-        const int64_t j = j0 + t, jr = j < P ? j : (int64_t)extra[j - P];
-        __builtin_memcpy(tb + t * hd, kc + jr * hd, sizeof(float) * (size_t)hd);
-      }
-      kb = tb;
-    }
-    for (int g = 0; g < G; ++g) {
-      const float* qg = q + g * hd;
-      __m256 acc[8];
-#pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
-      if (cnt == 8) {
-        for (int64_t v = 0; v < nv; ++v) {
-          const __m256 qv = _mm256_loadu_ps(qg + 8 * v);
-#pragma GCC unroll 8
-          for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + t * hd + 8 * v), acc[t]);
-        }
-      } else {
-        for (int64_t v = 0; v < nv; ++v) {
-          const __m256 qv = _mm256_loadu_ps(qg + 8 * v);
-          for (int t = 0; t < cnt; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + t * hd + 8 * v), acc[t]);
-        }
-      }
-      const __m256 sv = _mm256_mul_ps(transpose_reduce8(acc), _mm256_set1_ps(scale));
-      if (cnt == 8) {
-        _mm256_storeu_ps(scores + g * lds + j0, sv);
-      } else {
-        _mm256_store_ps(part, sv);
-        for (int t = 0; t < cnt; ++t) scores[g * lds + j0 + t] = part[t];
-      }
-    }
-  }
-  // pass 2: per head, max (order-independent), exponentials and their sum over 8 lanes in a fixed order
-  float inv[64];
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores + g * lds;
-    float mx = -__builtin_inff();
-    __m256 mxv = _mm256_set1_ps(mx);
-    int64_t j = 0;
-    for (; j + 8 <= L; j += 8) mxv = _mm256_max_ps(mxv, _mm256_loadu_ps(sg + j));
-    _mm256_store_ps(part, mxv);
-    for (int t = 0; t < 8; ++t) mx = part[t] > mx ? part[t] : mx;
-    for (int64_t t = j; t < L; ++t) mx = sg[t] > mx ? sg[t] : mx;
-    const __m256 vmx = _mm256_set1_ps(mx);
-    __m256 sum = _mm256_setzero_ps();
-    for (j = 0; j + 8 <= L; j += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + j), vmx));
-      _mm256_storeu_ps(sg + j, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    if (j < L) {  // the tail's lanes past L are zero
-      const int cnt = (int)(L - j);
-      for (int t = 0; t < 8; ++t) part[t] = t < cnt ? sg[j + t] : mx;
-      const __m256 live = _mm256_castsi256_ps(
-          _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-      const __m256 e = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_load_ps(part), vmx)));
-      _mm256_store_ps(part, e);
-      for (int t = 0; t < cnt; ++t) sg[j + t] = part[t];
-      sum = _mm256_add_ps(sum, e);
-    }
-    inv[g] = 1.0f / hsum8(sum);
-  }
-  // pass 3: weighted sums of the values, 32 dims x up to 3 heads at a time (value rows loaded once)
-  for (int g0 = 0; g0 < G; g0 += 3) {
-    const int gc = G - g0 < 3 ? G - g0 : 3;
-    const float* sc = scores + g0 * lds;
-    float* og = out + g0 * hd;
-    for (int v0 = 0; v0 < (int)nv; v0 += 4) {
-      switch ((int)nv - v0 < 4 ? (int)nv - v0 : 4) {
-        case 1: attn_pv_heads<1>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
-        case 2: attn_pv_heads<2>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
-        case 3: attn_pv_heads<3>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
-        default: attn_pv_heads<4>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
-      }
-    }
-  }
+  attention_group<V256>(q, G, kc, vc, L, hd, scale, scores, lds, out, P, extra);
 }
 
 int64_t avx2_fma_chains(int64_t n) {

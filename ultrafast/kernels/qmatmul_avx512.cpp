@@ -41,8 +41,8 @@
 #endif
 
 #include <immintrin.h>
-#include <cstring>
 
+#include "attention_simd.h"
 #include "qmatmul_fp32.h"
 
 #define UF_INLINE inline __attribute__((always_inline))
@@ -391,84 +391,47 @@ struct KDirect : LDirect<D::BYTES, D::UNIT, D::UNIT_BYTES> {
 
 constexpr int RMAX = 4;  // activation rows per chunk: 4 rows' accumulators and x' loads fit the 32 registers
 
-// exp for x <= 0 (softmax arguments), Cephes expf polynomial with scalef; ~1 ulp.
-UF_INLINE __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+// The 16-lane vector of the attention (attention_simd.h).
+struct V512 {
+  using F = __m512;
+  static constexpr int W = 16, HEADS = 6;
+  static UF_INLINE F zero() { return _mm512_setzero_ps(); }
+  static UF_INLINE F set1(float x) { return _mm512_set1_ps(x); }
+  static UF_INLINE F load(const float* p) { return _mm512_loadu_ps(p); }
+  static UF_INLINE void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static UF_INLINE __mmask16 first(int n) { return (__mmask16)((1u << n) - 1u); }
+  static UF_INLINE F load_first(const float* p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
+  static UF_INLINE F keep_first(F v, int n) { return _mm512_maskz_mov_ps(first(n), v); }
+  static UF_INLINE void store_first(float* p, F v, int n) { _mm512_mask_storeu_ps(p, first(n), v); }
+  static UF_INLINE F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static UF_INLINE F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static UF_INLINE F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static UF_INLINE F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static UF_INLINE F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static UF_INLINE float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
+  static UF_INLINE float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
 
-// Sum each of 16 vectors into one lane: lane t of the result = fixed-tree sum of the 16 lanes of a[t]
-// (pairs of 128-bit lanes, then 128-bit halves, then 256-bit halves); no lane of a[t] reaches another
-// output lane, so a key's score never depends on its neighbours in the block.
-UF_INLINE __m512 transpose_reduce16(const __m512* a) {
-  __m512 s[8], u[4];
+  static UF_INLINE F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static UF_INLINE F round(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static UF_INLINE F scale2n(F p, F n) { return _mm512_scalef_ps(p, n); }
+
+  // Lane t = fixed-tree sum of the 16 lanes of a[t] (pairs of 128-bit lanes, then 128-bit halves, then
+  // 256-bit halves).
+  static UF_INLINE F transpose_reduce(const F* a) {
+    __m512 s[8], u[4];
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i)
-    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 8; ++i)
+      s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
-}
-
-// out[g] = inv[g] * sum_j p[g][j] * v_j over dims [16*v0, 16*(v0+NV)) for G <= 6 heads (NV <= 4)
-// Value rows: j < P are rows j, later ones rows extra[j - P] (the same accumulation order either way).
-template <int NV, int G>
-__attribute__((noinline)) void attn_pv_chunk(const float* vc, int64_t L, int64_t hd, const float* sc, int64_t lds,
-                                             int v0, const float* inv, float* out, int64_t P, const int32_t* extra) {
-  __m512 o[G][NV];
-#pragma GCC unroll 6
-  for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) o[g][v] = _mm512_setzero_ps();
-  const float* vb = vc + 16 * v0;
-  for (int64_t j = 0; j < L; ++j) {
-    __m512 vv[NV];
-    const int64_t jr = extra == nullptr || j < P ? j : (int64_t)extra[j - P];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(vb + jr * hd + 16 * v);
-#pragma GCC unroll 6
-    for (int g = 0; g < G; ++g) {
-      const __m512 pj = _mm512_set1_ps(sc[g * lds + j]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) o[g][v] = _mm512_fmadd_ps(pj, vv[v], o[g][v]);
+    for (int i = 0; i < 4; ++i) {
+      const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+      u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
   }
-#pragma GCC unroll 6
-  for (int g = 0; g < G; ++g) {
-    const __m512 iv = _mm512_set1_ps(inv[g]);
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + g * hd + 16 * (v0 + v), _mm512_mul_ps(o[g][v], iv));
-  }
-}
-
-template <int NV>
-UF_INLINE void attn_pv_heads(int G, const float* vc, int64_t L, int64_t hd, const float* sc, int64_t lds, int v0,
-                             const float* inv, float* out, int64_t P, const int32_t* ex) {
-  switch (G) {
-    case 1: attn_pv_chunk<NV, 1>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
-    case 2: attn_pv_chunk<NV, 2>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
-    case 3: attn_pv_chunk<NV, 3>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
-    case 4: attn_pv_chunk<NV, 4>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
-    case 5: attn_pv_chunk<NV, 5>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
-    default: attn_pv_chunk<NV, 6>(vc, L, hd, sc, lds, v0, inv, out, P, ex); break;
-  }
-}
+};
 
 }  // namespace
 
@@ -494,82 +457,7 @@ bool qmm_rows_avx512(int qtype, const uint8_t* xg, int64_t k, int64_t K, const u
 
 void attn_group_avx512(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd, float scale,
                        float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra) {
-  // Heads g < G (query vectors q + g*hd, outputs out + g*hd) all read the same kv head, so every key and
-  // value row is loaded once for the group. Per head the arithmetic is the same whatever G is.
-  const int64_t nv = hd / 16;
-  if (extra == nullptr) P = L;
-  // pass 1: scores, 16 keys at a time; a partial last block leaves the missing keys' sums at zero. Blocks
-  // past the contiguous prefix (a tree's ancestors) gather their rows into `tb` first: the same values in the
-  // same lanes, so the same sums.
-  alignas(64) float tb[16 * 256];
-  for (int64_t j0 = 0; j0 < L; j0 += 16) {
-    const int cnt = L - j0 < 16 ? (int)(L - j0) : 16;
-    const float* kb = kc + j0 * hd;
-    if (j0 + cnt > P && hd <= 256) {
-      for (int t = 0; t < cnt; ++t) {
-        const int64_t j = j0 + t, jr = j < P ? j : (int64_t)extra[j - P];
-        std::memcpy(tb + t * hd, kc + jr * hd, sizeof(float) * (size_t)hd);
-      }
-      kb = tb;
-    }
-    for (int g = 0; g < G; ++g) {
-      const float* qg = q + g * hd;
-      __m512 acc[16];
-#pragma GCC unroll 16
-      for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-      if (cnt == 16) {
-        for (int64_t v = 0; v < nv; ++v) {
-          const __m512 qv = _mm512_loadu_ps(qg + 16 * v);
-#pragma GCC unroll 16
-          for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + t * hd + 16 * v), acc[t]);
-        }
-      } else {
-        for (int64_t v = 0; v < nv; ++v) {
-          const __m512 qv = _mm512_loadu_ps(qg + 16 * v);
-          for (int t = 0; t < cnt; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + t * hd + 16 * v), acc[t]);
-        }
-      }
-      const __m512 sv = _mm512_mul_ps(transpose_reduce16(acc), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(scores + g * lds + j0, (__mmask16)((1u << cnt) - 1u), sv);
-    }
-  }
-  // pass 2: per head, max (order-independent), exponentials and their sum over 16 lanes in a fixed order
-  float inv[64];
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores + g * lds;
-    __m512 mxv = _mm512_set1_ps(-__builtin_inff());
-    int64_t j = 0;
-    for (; j + 16 <= L; j += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sg + j));
-    const __mmask16 mt = (__mmask16)((1u << (L - j)) - 1u);
-    if (j < L) mxv = _mm512_mask_max_ps(mxv, mt, mxv, _mm512_maskz_loadu_ps(mt, sg + j));
-    const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(mxv));
-    __m512 sum = _mm512_setzero_ps();
-    for (j = 0; j + 16 <= L; j += 16) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + j), vmx));
-      _mm512_storeu_ps(sg + j, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    if (j < L) {
-      const __m512 e = _mm512_maskz_mov_ps(mt, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mt, sg + j), vmx)));
-      _mm512_mask_storeu_ps(sg + j, mt, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
-  }
-  // pass 3: weighted sums of the values, 64 dims x up to 6 heads at a time (value rows loaded once)
-  for (int g0 = 0; g0 < G; g0 += 6) {
-    const int gc = G - g0 < 6 ? G - g0 : 6;
-    const float* sc = scores + g0 * lds;
-    float* og = out + g0 * hd;
-    for (int v0 = 0; v0 < (int)nv; v0 += 4) {
-      switch ((int)nv - v0 < 4 ? (int)nv - v0 : 4) {
-        case 1: attn_pv_heads<1>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
-        case 2: attn_pv_heads<2>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
-        case 3: attn_pv_heads<3>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
-        default: attn_pv_heads<4>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
-      }
-    }
-  }
+  attention_group<V512>(q, G, kc, vc, L, hd, scale, scores, lds, out, P, extra);
 }
 
 bool avx512_usable() {

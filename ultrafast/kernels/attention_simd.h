@@ -1,0 +1,170 @@
+// One-query causal attention for a group of heads sharing one kv head, written once over a vector of float
+// lanes: the AVX-512 unit (16 lanes) and the AVX2 unit (8 lanes) each instantiate it with their own vector
+// (the contract is attn_group_avx512's in qmatmul_kernels.h).
+//
+// Plain C++ in an anonymous namespace, like qmatmul_fp32.h: each unit that includes it (inside its target
+// pragma) gets its own copy for its ISA, which the linker never merges with another unit's.
+//
+// A vector type V provides
+//   F, W (lanes), HEADS (heads per value pass: their accumulators fit the registers)
+//   zero(), set1(x), load(p), store(p, v), fma(a, b, c) = a * b + c, mul, add, sub, max
+//   load_first(p, n) / keep_first(v, n): lanes >= n zero;  store_first(p, v, n): lanes < n only
+//   fnmadd(a, b, c) = c - a * b (fused);  round(v) to the nearest integer;  scale2n(p, n) = p * 2^n (n integral,
+//   n >= -126);  reduce_max(v);  reduce_add(v) (one fixed order)
+//   transpose_reduce(a): lane t = a fixed-tree sum of the W lanes of a[t], no lane reaching another output
+//
+// The three passes (scores, softmax, values) run in a fixed order that depends only on the head's query, the
+// L keys/values and L, so a head's result is the same whatever G is, and the same bits whether its keys are
+// the cache's contiguous rows or listed (a token tree's ancestors).
+#pragma once
+#include <stdint.h>
+
+namespace ultrafast {
+namespace {
+
+// exp for x <= 0 (softmax arguments): Cephes expf polynomial; ~1 ulp.
+template <class V>
+inline typename V::F exp_neg(typename V::F x) {
+  using F = typename V::F;
+  x = V::max(x, V::set1(-87.0f));
+  const F n = V::round(V::mul(x, V::set1(1.44269504088896341f)));
+  F r = V::fnmadd(n, V::set1(0.693359375f), x);
+  r = V::fnmadd(n, V::set1(-2.12194440e-4f), r);
+  F p = V::set1(1.9875691500e-4f);
+  p = V::fma(p, r, V::set1(1.3981999507e-3f));
+  p = V::fma(p, r, V::set1(8.3334519073e-3f));
+  p = V::fma(p, r, V::set1(4.1665795894e-2f));
+  p = V::fma(p, r, V::set1(1.6666665459e-1f));
+  p = V::fma(p, r, V::set1(5.0000001201e-1f));
+  p = V::fma(p, V::mul(r, r), V::add(r, V::set1(1.0f)));
+  return V::scale2n(p, n);
+}
+
+// out[g] = inv[g] * sum_j p[g][j] * v_j over dims [W*v0, W*(v0+NV)) for G <= V::HEADS heads (NV <= 4). Value
+// rows: j < P are rows j, later ones rows extra[j - P] (the same accumulation order either way).
+template <class V, int NV, int G>
+__attribute__((noinline)) void attn_pv_chunk(const float* vc, int64_t L, int64_t hd, const float* sc, int64_t lds,
+                                             int v0, const float* inv, float* out, int64_t P, const int32_t* extra) {
+  using F = typename V::F;
+  F o[G][NV];
+#pragma GCC unroll 6
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) o[g][v] = V::zero();
+  const float* vb = vc + V::W * v0;
+  for (int64_t j = 0; j < L; ++j) {
+    F vv[NV];
+    const int64_t jr = extra == nullptr || j < P ? j : (int64_t)extra[j - P];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vv[v] = V::load(vb + jr * hd + V::W * v);
+#pragma GCC unroll 6
+    for (int g = 0; g < G; ++g) {
+      const F pj = V::set1(sc[g * lds + j]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) o[g][v] = V::fma(pj, vv[v], o[g][v]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int g = 0; g < G; ++g) {
+    const F iv = V::set1(inv[g]);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) V::store(out + g * hd + V::W * (v0 + v), V::mul(o[g][v], iv));
+  }
+}
+
+// The chunk for gc heads, 1 <= gc <= G (from G = V::HEADS down).
+template <class V, int NV, int G = V::HEADS>
+inline void attn_pv_heads(int gc, const float* vc, int64_t L, int64_t hd, const float* sc, int64_t lds, int v0,
+                          const float* inv, float* out, int64_t P, const int32_t* ex) {
+  if constexpr (G > 1) {
+    if (gc < G) return attn_pv_heads<V, NV, G - 1>(gc, vc, L, hd, sc, lds, v0, inv, out, P, ex);
+  }
+  attn_pv_chunk<V, NV, G>(vc, L, hd, sc, lds, v0, inv, out, P, ex);
+}
+
+template <class V>
+void attention_group(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd, float scale,
+                     float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra) {
+  using F = typename V::F;
+  constexpr int W = V::W;
+  // Heads g < G (query vectors q + g*hd, outputs out + g*hd) all read the same kv head, so every key and
+  // value row is loaded once for the group. Per head the arithmetic is the same whatever G is.
+  const int64_t nv = hd / W;
+  if (extra == nullptr) P = L;
+  // pass 1: scores, W keys at a time; a partial last block leaves the missing keys' sums at zero. Blocks past
+  // the contiguous prefix (a tree's ancestors) gather their rows into `tb` first: the same values in the same
+  // lanes, so the same sums.
+  alignas(64) float tb[W * 256];
+  for (int64_t j0 = 0; j0 < L; j0 += W) {
+    const int cnt = L - j0 < W ? (int)(L - j0) : W;
+    const float* kb = kc + j0 * hd;
+    if (j0 + cnt > P && hd <= 256) {
+      for (int t = 0; t < cnt; ++t) {
+        const int64_t j = j0 + t, jr = j < P ? j : (int64_t)extra[j - P];
+        __builtin_memcpy(tb + t * hd, kc + jr * hd, sizeof(float) * (size_t)hd);
+      }
+      kb = tb;
+    }
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * hd;
+      F acc[W];
+#pragma GCC unroll 16
+      for (int t = 0; t < W; ++t) acc[t] = V::zero();
+      if (cnt == W) {
+        for (int64_t v = 0; v < nv; ++v) {
+          const F qv = V::load(qg + W * v);
+#pragma GCC unroll 16
+          for (int t = 0; t < W; ++t) acc[t] = V::fma(qv, V::load(kb + t * hd + W * v), acc[t]);
+        }
+      } else {
+        for (int64_t v = 0; v < nv; ++v) {
+          const F qv = V::load(qg + W * v);
+          for (int t = 0; t < cnt; ++t) acc[t] = V::fma(qv, V::load(kb + t * hd + W * v), acc[t]);
+        }
+      }
+      V::store_first(scores + g * lds + j0, V::mul(V::transpose_reduce(acc), V::set1(scale)), cnt);
+    }
+  }
+  // pass 2: per head, max (order-independent), exponentials and their sum over W lanes in a fixed order
+  float inv[64];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * lds;
+    F mxv = V::set1(-__builtin_inff());
+    int64_t j = 0;
+    for (; j + W <= L; j += W) mxv = V::max(mxv, V::load(sg + j));
+    float mx = V::reduce_max(mxv);
+    for (int64_t t = j; t < L; ++t) mx = sg[t] > mx ? sg[t] : mx;
+    const F vmx = V::set1(mx);
+    F sum = V::zero();
+    for (j = 0; j + W <= L; j += W) {
+      const F e = exp_neg<V>(V::sub(V::load(sg + j), vmx));
+      V::store(sg + j, e);
+      sum = V::add(sum, e);
+    }
+    if (j < L) {  // the tail's lanes past L are zero
+      const int cnt = (int)(L - j);
+      const F e = V::keep_first(exp_neg<V>(V::sub(V::load_first(sg + j, cnt), vmx)), cnt);
+      V::store_first(sg + j, e, cnt);
+      sum = V::add(sum, e);
+    }
+    inv[g] = 1.0f / V::reduce_add(sum);
+  }
+  // pass 3: weighted sums of the values, 4 vectors of dims x up to HEADS heads at a time (value rows loaded
+  // once for them)
+  for (int g0 = 0; g0 < G; g0 += V::HEADS) {
+    const int gc = G - g0 < V::HEADS ? G - g0 : V::HEADS;
+    const float* sc = scores + g0 * lds;
+    float* og = out + g0 * hd;
+    for (int v0 = 0; v0 < (int)nv; v0 += 4) {
+      switch ((int)nv - v0 < 4 ? (int)nv - v0 : 4) {
+        case 1: attn_pv_heads<V, 1>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
+        case 2: attn_pv_heads<V, 2>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
+        case 3: attn_pv_heads<V, 3>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
+        default: attn_pv_heads<V, 4>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ultrafast
