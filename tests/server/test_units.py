@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 import os
+import threading
 import time
+from functools import partial
 from unittest import mock
 
 import pytest
@@ -223,6 +224,29 @@ def test_a_future_cancelled_by_its_waiter_does_not_stop_the_writer(tmp_path):
     assert [r["request_id"] for r in ledger_mod.rows(db)] == ["r0", "r1", "r2", "r3"]
     assert w.failed == 0
     w.close()
+
+
+def test_bookkeeping_after_a_row_runs_on_the_writers_thread_and_a_failing_one_stops_nothing(tmp_path):
+    """The scheduler hands a request's rate-limit event to the ledger's thread (`submit(row, then=...)`), so a
+    slow database never holds up the thread that decodes. It runs after the row's write, on the writer's
+    thread, once per submit (also for rewrites coalesced into one write); one that raises is logged and the
+    writer goes on."""
+    db = Database(tmp_path / "l.db").init()
+    w = LedgerWriter(db)
+    ran = []
+
+    def then(tag):
+        ran.append((tag, threading.current_thread().name, len(ledger_mod.rows(db))))
+
+    def boom():
+        raise RuntimeError("bookkeeping failed")
+
+    assert w.submit(_row(0), then=partial(then, "a")).result(5)
+    assert w.submit(_row(1), then=boom).result(5)
+    assert w.submit(_row(2), then=partial(then, "b")).result(5)
+    w.close()
+    assert ran == [("a", "ultrafast-ledger", 1), ("b", "ultrafast-ledger", 3)]
+    assert [r["request_id"] for r in ledger_mod.rows(db)] == ["r0", "r1", "r2"]
 
 
 def test_abandoned_running_rows_become_interrupted(tmp_path):

@@ -3,6 +3,23 @@
 (structured output over 50 JSON schemas), `roofline` (the bandwidth bound of batch-1 decoding by hardware)."""
 
 
+def tier_engine(args):
+    """(engine, drafters) for the benchmarks that race the tiers (`specbench`, `agentbench`) from their common
+    options: model, threads, context, drafters, draft model, self-speculation layers, activation bits, head.
+    An unknown drafter is an error before the model loads."""
+    import torch
+
+    from ..drafters import parse_drafters
+    from ..engine import Engine
+
+    drafters = parse_drafters(args.drafters)
+    torch.set_num_threads(args.threads)
+    engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model,
+                               self_spec_layers=args.self_spec_layers,
+                               activation_bits=args.activation_bits, draft_head=args.draft_head)
+    return engine, drafters
+
+
 def ceiling_line(r: list[float]) -> str:
     from ..speculative import speedup_ceiling
 

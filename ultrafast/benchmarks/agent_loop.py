@@ -12,7 +12,7 @@ import sys
 from .. import report
 from ..report import Progress
 from ..sampler import SamplingParams
-from . import ceiling_line, drafters_line, sum_drafters
+from . import ceiling_line, drafters_line, sum_drafters, tier_engine
 
 SYSTEM = ("You are a coding agent. You edit the user's file as asked and reply with the complete updated file "
           "in one ```python block, nothing else.")
@@ -83,16 +83,7 @@ def run_agent_loop(engine, *, iterations: int, max_tokens: int, tier: str, draft
 
 
 def main(args) -> int:
-    import torch
-
-    from ..drafters import parse_drafters
-    from ..engine import Engine
-
-    drafters = parse_drafters(args.drafters)  # (an unknown name is an error before loading)
-    torch.set_num_threads(args.threads)
-    engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model,
-                               self_spec_layers=args.self_spec_layers,
-                               activation_bits=args.activation_bits, draft_head=args.draft_head)
+    engine, drafters = tier_engine(args)
     std = run_agent_loop(engine, iterations=args.iterations, max_tokens=args.max_tokens, tier="standard")
     fast = run_agent_loop(engine, iterations=args.iterations, max_tokens=args.max_tokens, tier="ultrafast",
                           drafters=drafters)

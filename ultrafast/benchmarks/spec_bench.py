@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import report
 from ..report import Progress
 from ..sampler import SamplingParams
-from . import ceiling_line, drafters_line, sum_drafters
+from . import ceiling_line, drafters_line, sum_drafters, tier_engine
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
@@ -149,16 +149,7 @@ def format_table(table, summary, title) -> str:
 
 
 def main(args) -> int:
-    import torch
-
-    from ..drafters import parse_drafters
-    from ..engine import Engine
-
-    drafters = parse_drafters(args.drafters)  # (an unknown name is an error before loading)
-    torch.set_num_threads(args.threads)
-    engine = Engine.from_model(args.model, max_context=args.max_context, draft_model=args.draft_model,
-                               self_spec_layers=args.self_spec_layers,
-                               activation_bits=args.activation_bits, draft_head=args.draft_head)
+    engine, drafters = tier_engine(args)
     engine.fixed_draft_k = args.fixed_k
     path = engine.loaded.path
     questions = load_questions(Path(args.questions) if args.questions else default_questions_path(),

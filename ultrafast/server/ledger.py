@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -140,8 +141,9 @@ def _resolve(futs: list[Future], error: BaseException | None) -> None:
 
 class LedgerWriter:
     """One thread that owns the writes: `submit(row)` returns a Future done once the row is committed.
-    Rewrites of one request queued behind each other are coalesced (the latest wins). It marks abandoned rows
-    `interrupted` when it starts and every SWEEP_S seconds."""
+    Rewrites of one request queued behind each other are coalesced (the latest wins). `submit(row, then=f)` also
+    runs f on this thread once the row's write was tried (other bookkeeping a request's end needs, kept off the
+    thread that decodes). It marks abandoned rows `interrupted` when it starts and every SWEEP_S seconds."""
 
     def __init__(self, db: Database, sweep_s: float = SWEEP_S):
         self.db = db.init()
@@ -154,10 +156,10 @@ class LedgerWriter:
         self._thread = threading.Thread(target=self._run, name="ultrafast-ledger", daemon=True)
         self._thread.start()
 
-    def submit(self, row: LedgerRow) -> Future:
+    def submit(self, row: LedgerRow, then: Callable[[], None] | None = None) -> Future:
         row.instance = self.instance
         fut: Future = Future()
-        self._q.put((row, fut))
+        self._q.put((row, fut, then))
         return fut
 
     def _sweep(self) -> None:
@@ -185,28 +187,37 @@ class LedgerWriter:
                 stop = nxt is None
                 if not stop:
                     batch.append(nxt)
-            latest: dict[str, tuple] = {}
+            latest: dict[str, LedgerRow] = {}
             futs: dict[str, list] = {}
+            thens: dict[str, list] = {}
             for it in batch:
                 if it is None:
                     continue
-                row, fut = it
-                if row.request_id in latest and latest[row.request_id][0].status != "running":
-                    self._write(row, [fut])  # after a closing row: written (and refused) on its own
+                row, fut, then = it
+                if row.request_id in latest and latest[row.request_id].status != "running":
+                    self._write(row, [fut], [then])  # after a closing row: written (and refused) on its own
                     continue
-                latest[row.request_id] = it
+                latest[row.request_id] = row
                 futs.setdefault(row.request_id, []).append(fut)
-            for rid, (row, _) in latest.items():
-                self._write(row, futs[rid])
+                thens.setdefault(row.request_id, []).append(then)
+            for rid, row in latest.items():
+                self._write(row, futs[rid], thens[rid])
             if stop:
                 break
 
-    def _write(self, row: LedgerRow, futs: list) -> None:
+    def _write(self, row: LedgerRow, futs: list, thens: list) -> None:
         try:
             self._write_row(row, futs)
         except Exception as e:  # a bug: its waiters hear of it, and the writer goes on with the next rows
             log.exception("the ledger writer failed on request %s", row.request_id)
             _resolve(futs, e)
+        for then in thens:
+            if then is None:
+                continue
+            try:
+                then()
+            except Exception:  # the row's own outcome stands; the writer goes on
+                log.exception("the ledger writer: bookkeeping after request %s failed", row.request_id)
 
     def _write_row(self, row: LedgerRow, futs: list) -> None:
         for attempt in range(3):

@@ -35,6 +35,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 from .auth import Principal
@@ -607,9 +608,10 @@ class ModelWorker:
         req.billed_tokens, req.billed_t, req.ledger_open = completion, now, True
         self._submit_row(self._ledger_row(req, "running", completion, now))
 
-    def _submit_row(self, row: LedgerRow):
-        """Hand a row to the ledger thread; a write that fails counts in ultrafast_ledger_errors."""
-        fut = self.ledger.submit(row)
+    def _submit_row(self, row: LedgerRow, then=None):
+        """Hand a row to the ledger thread (and `then`, run there after it); a write that fails counts in
+        ultrafast_ledger_errors."""
+        fut = self.ledger.submit(row, then)
         fut.add_done_callback(lambda f: not f.cancelled() and f.exception() is not None
                               and self.metrics.ledger_errors.inc())
         return fut
@@ -624,7 +626,9 @@ class ModelWorker:
         prompt_tokens, cached, cost, tau = row.prompt_tokens, row.cached_tokens, row.cost_usd, row.tau
         first = req.candidates[0].result
         decode_tps, queue_s = row.decode_tokens_per_s, row.queue_s
-        fut = self._submit_row(row)
+        # the key's completion tokens go to the rate limiter's table on the ledger's thread: a slow database
+        # never holds up the decoding thread
+        fut = self._submit_row(row, then=partial(self.limiter.record, req.principal, completion))
         m = self.metrics
         m.requests.labels(self.name, req.tier, status).inc()
         m.tokens.labels(self.name, req.tier, "prompt").inc(prompt_tokens)
@@ -635,7 +639,6 @@ class ModelWorker:
         for c in req.candidates:
             if c.result is not None and req.tier == "ultrafast":
                 m.observe_spec(self.name, c.result.spec)
-        self.limiter.record(req.principal, completion)
         first_t = req.first_token_t or now
         summary = {
             "status": status, "message": message, "prompt_tokens": prompt_tokens, "cached_tokens": cached,
