@@ -67,6 +67,55 @@ def test_degree_must_match_the_launch(monkeypatch):
         init(2)
 
 
+def test_the_other_ranks_drop_a_cache_rank_0_let_go_of(monkeypatch):
+    """`serve --tp`: rank 0's scratch caches (the r(k) and step-time measurements make some) are numbered for the
+    other ranks, which make their own; once rank 0's is collected, they drop theirs with the next operation
+    instead of holding a KV cache each for ever. Both sides here, the broadcast replaced by a list."""
+    import gc
+
+    from ultrafast import tensor_parallel as tpm
+
+    sent = []
+    monkeypatch.setattr(tpm.dist, "broadcast_object_list", lambda box, src: sent.append(box[0]))
+    mirror = tpm.Mirror(None)
+
+    class Cache:  # stands in for a KVCache (anything that can be weakly referenced)
+        pass
+
+    kept, scratch = Cache(), Cache()
+    mirror.copy_prefix(kept, scratch, 4)
+    del scratch
+    gc.collect()
+    mirror.keep_path(kept, 3, [1, 2])
+    again = Cache()  # a later cache never takes a dropped one's number
+    mirror.copy_prefix(again, kept, 2)
+    mirror.stop()
+    assert sent == [("copy_prefix", 0, 1, 4), ("drop", [1], ("keep_path", 0, 3, [1, 2])), ("copy_prefix", 2, 0, 2),
+                    ("stop",)]
+
+    import weakref
+
+    made, ops, calls = [], iter(sent), []  # the follower's caches (weakly: to see which it still holds)
+
+    class Engine:
+        def new_cache(self):
+            c = Cache()
+            c.n = len(made)
+            made.append(weakref.ref(c))
+            return c
+
+    def held():
+        return [w() is not None for w in made]
+
+    monkeypatch.setattr(tpm.dist, "broadcast_object_list", lambda box, src: box.__setitem__(0, next(ops)))
+    monkeypatch.setattr(Cache, "copy_prefix_from", lambda self, src, m: calls.append((self.n, src.n, m, held())),
+                        raising=False)
+    monkeypatch.setattr("ultrafast.token_tree.keep_path", lambda c, start, path: calls.append((c.n, start, held())))
+    tpm.follow(Engine(), None)
+    # caches 0 and 1 made for the first copy; 1 released before the path is kept; the last copy makes cache 2
+    assert calls == [(0, 1, 4, [True, True]), (0, 3, [True, False]), (2, 0, 2, [True, False, True])]
+
+
 def test_generate_tp_without_torchrun_is_a_clear_error(smollm_path):
     p = subprocess.run([sys.executable, "-m", "ultrafast.cli", "generate", "--model", str(smollm_path), "--tp", "2",
                         "--prompt", "Hi"], capture_output=True, text=True, timeout=300)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -172,16 +173,30 @@ class RowParallel(nn.Module):
 
 
 class Mirror:
-    """Rank 0's side: each pass and each cache change, broadcast to the other ranks before it runs."""
+    """Rank 0's side: each pass and each cache change, broadcast to the other ranks before it runs. A cache rank 0
+    lets go of (a measurement's scratch cache) is dropped by the other ranks too, with the next operation."""
 
     def __init__(self, tp: TensorParallel):
         self.tp = tp
         self._ids: dict[int, int] = {}  # id(cache) -> the number the other ranks know it by
+        self._next = 0
+        self._gone: list[int] = []  # numbers of caches collected on rank 0, not yet told
 
     def _cache(self, cache) -> int:
-        return self._ids.setdefault(id(cache), len(self._ids))
+        key = id(cache)
+        if key not in self._ids:
+            self._ids[key] = self._next
+            self._next += 1
+            weakref.finalize(cache, self._forget, key)
+        return self._ids[key]
+
+    def _forget(self, key: int) -> None:  # (a finalizer: it only notes; the next _send tells the others)
+        self._gone.append(self._ids.pop(key))
 
     def _send(self, op: tuple) -> None:
+        if self._gone:
+            gone, self._gone = self._gone, []
+            op = ("drop", gone, op)
         dist.broadcast_object_list([op], src=0)
 
     def forward(self, tokens, starts, lens, caches, all_logits, layers, hidden, tree) -> None:
@@ -212,6 +227,10 @@ def follow(engine, tp: TensorParallel) -> None:
         box = [None]
         dist.broadcast_object_list(box, src=0)
         op = box[0]
+        if op[0] == "drop":  # caches rank 0 no longer holds, then the operation itself
+            for i in op[1]:
+                caches.pop(i, None)
+            op = op[2]
         if op[0] == "stop":
             return
         if op[0] == "forward":
