@@ -229,8 +229,9 @@ def test_a_future_cancelled_by_its_waiter_does_not_stop_the_writer(tmp_path):
 def test_bookkeeping_after_a_row_runs_on_the_writers_thread_and_a_failing_one_stops_nothing(tmp_path):
     """The scheduler hands a request's rate-limit event to the ledger's thread (`submit(row, then=...)`), so a
     slow database never holds up the thread that decodes. It runs after the row's write, on the writer's
-    thread, once per submit (also for rewrites coalesced into one write); one that raises is logged and the
-    writer goes on."""
+    thread, once per submit (also for rewrites coalesced into one write), before the row's Future is settled (a
+    client answered has had its request counted: the limit's "overshoot by one completion, never more"); one
+    that raises is logged and the writer goes on."""
     db = Database(tmp_path / "l.db").init()
     w = LedgerWriter(db)
     ran = []
@@ -242,10 +243,11 @@ def test_bookkeeping_after_a_row_runs_on_the_writers_thread_and_a_failing_one_st
         raise RuntimeError("bookkeeping failed")
 
     assert w.submit(_row(0), then=partial(then, "a")).result(5)
+    assert ran == [("a", "ultrafast-ledger", 1)]  # done before the row's waiter hears (the client's answer)
     assert w.submit(_row(1), then=boom).result(5)
     assert w.submit(_row(2), then=partial(then, "b")).result(5)
-    w.close()
     assert ran == [("a", "ultrafast-ledger", 1), ("b", "ultrafast-ledger", 3)]
+    w.close()
     assert [r["request_id"] for r in ledger_mod.rows(db)] == ["r0", "r1", "r2"]
 
 

@@ -142,8 +142,8 @@ def _resolve(futs: list[Future], error: BaseException | None) -> None:
 class LedgerWriter:
     """One thread that owns the writes: `submit(row)` returns a Future done once the row is committed.
     Rewrites of one request queued behind each other are coalesced (the latest wins). `submit(row, then=f)` also
-    runs f on this thread once the row's write was tried (other bookkeeping a request's end needs, kept off the
-    thread that decodes). It marks abandoned rows `interrupted` when it starts and every SWEEP_S seconds."""
+    runs f on this thread once the row's write was tried and before its Future is settled (other bookkeeping a
+    request's end needs, kept off the thread that decodes, and done by the time the client is answered). It marks abandoned rows `interrupted` when it starts and every SWEEP_S seconds."""
 
     def __init__(self, db: Database, sweep_s: float = SWEEP_S):
         self.db = db.init()
@@ -207,37 +207,37 @@ class LedgerWriter:
 
     def _write(self, row: LedgerRow, futs: list, thens: list) -> None:
         try:
-            self._write_row(row, futs)
+            error = self._write_row(row)
         except Exception as e:  # a bug: its waiters hear of it, and the writer goes on with the next rows
             log.exception("the ledger writer failed on request %s", row.request_id)
-            _resolve(futs, e)
-        for then in thens:
+            error = e
+        for then in thens:  # before the waiters hear: a client answered has had its request's bookkeeping done
             if then is None:
                 continue
             try:
                 then()
             except Exception:  # the row's own outcome stands; the writer goes on
                 log.exception("the ledger writer: bookkeeping after request %s failed", row.request_id)
+        _resolve(futs, error)
 
-    def _write_row(self, row: LedgerRow, futs: list) -> None:
+    def _write_row(self, row: LedgerRow) -> BaseException | None:
+        """Write (or rewrite) the row; returns what stopped it, None once committed."""
         for attempt in range(3):
             try:
                 row.updated_ts = None
                 write_row(self.db, row)
             except ValueError as e:  # refused (a closed row): no retry
                 self.failed += 1
-                _resolve(futs, e)
-                return
+                return e
             except Exception as e:  # a locked/busy database: retry a little, then report
                 if attempt == 2:
                     self.failed += 1
-                    _resolve(futs, e)
-                else:
-                    time.sleep(0.05 * (attempt + 1))
+                    return e
+                time.sleep(0.05 * (attempt + 1))
             else:
                 self.written += 1
-                _resolve(futs, None)
-                return
+                return None
+        return None
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued, then stop."""
