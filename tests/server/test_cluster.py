@@ -114,7 +114,7 @@ def test_balancer_survives_a_replica_killed_mid_load(cluster):
 
     stop = threading.Event()
     received: dict[str, int] = {}  # request id -> completion tokens the client received
-    failures: list[tuple[str, float]] = []
+    failures: list[tuple[str, float, float]] = []  # (error, seconds since the request began, when it failed)
     lock = threading.Lock()
 
     def load(i: int):
@@ -144,7 +144,7 @@ def test_balancer_survives_a_replica_killed_mid_load(cluster):
                     received[rid] = tokens
             except (openai.APIError, RuntimeError, httpx.HTTPError) as e:
                 with lock:
-                    failures.append((f"{type(e).__name__}: {e}"[:160], time.monotonic() - t0))
+                    failures.append((f"{type(e).__name__}: {e}"[:160], time.monotonic() - t0, time.monotonic()))
 
     threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
     t_load = time.time()
@@ -157,6 +157,7 @@ def test_balancer_survives_a_replica_killed_mid_load(cluster):
     victim = cl.replicas[0]
     before_kill = len(received)
     victim.kill()
+    t_kill = time.monotonic()
     time.sleep(8)
     stop.set()
     for t in threads:
@@ -164,7 +165,8 @@ def test_balancer_survives_a_replica_killed_mid_load(cluster):
     t_end = time.time()
     assert not any(t.is_alive() for t in threads)
     assert before_kill > 0 and len(received) > before_kill, (before_kill, len(received), failures[:5])  # served after the kill too
-    assert all(seconds < 30 for _, seconds in failures), failures  # failed, not hung
+    # failed, not hung: within 30 s of the kill (a request may have waited long before it on a loaded machine)
+    assert all(at - t_kill < 30 for _, _, at in failures), failures
     assert len(failures) <= 4, failures  # at most the requests in flight on the dead replica (one per thread)
 
     # after the kill every key is served (its home moved if it was the dead replica's)
