@@ -71,8 +71,8 @@ SUPPORTED_TYPES = frozenset(_BLOCKS)
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ["qmatmul.cpp", "kernel_variant.cpp", "decoder_layer.cpp", "scalar.cpp", "qmatmul_avx512.cpp",
             "qmatmul_avx2.cpp", "qmatmul_vnni.cpp"]
-_HEADERS = ["kernel_variant.h", "qmatmul_kernels.h", "qmatmul_fp32.h", "attention_simd.h", "decoder_layer.h", "row_ops.h",
-            "scratch.h"]
+_HEADERS = ["kernel_variant.h", "qmatmul_kernels.h", "qmatmul_fp32.h", "attention_simd.h", "decoder_layer.h",
+            "row_ops.h", "scratch.h"]
 # No -march=native: the baseline unit must run anywhere (the AVX-512 unit enables its ISA with a
 # target pragma and is only entered after a runtime CPU check), so a shared build cache stays safe.
 # -ffp-contract=off: no implicit FMA contraction, so every template instantiation does the same math.

@@ -143,7 +143,8 @@ class LedgerWriter:
     """One thread that owns the writes: `submit(row)` returns a Future done once the row is committed.
     Rewrites of one request queued behind each other are coalesced (the latest wins). `submit(row, then=f)` also
     runs f on this thread once the row's write was tried and before its Future is settled (other bookkeeping a
-    request's end needs, kept off the thread that decodes, and done by the time the client is answered). It marks abandoned rows `interrupted` when it starts and every SWEEP_S seconds."""
+    request's end needs, kept off the thread that decodes, and done by the time the client is answered). It
+    marks abandoned rows `interrupted` when it starts and every SWEEP_S seconds."""
 
     def __init__(self, db: Database, sweep_s: float = SWEEP_S):
         self.db = db.init()
