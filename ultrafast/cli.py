@@ -26,8 +26,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-ACT_BITS_HELP = ("precision of the activations inside the quantized linears: 16 (default) or 8 (llama.cpp's; "
-                 "about twice the multiply rate in prefill and verification, outputs move slightly)")
+ACT_BITS_HELP = ("precision of the activations inside the quantized linears: 16 (default) or 8 (int8 per "
+                 "block of 32, as llama.cpp rounds them to int8; about twice the multiply rate in prefill and "
+                 "verification, outputs move slightly)")
 
 DRAFTERS_HELP = ("ultrafast drafters, comma-separated from grammar,prompt_lookup,suffix,draft_model,self_spec,head "
                  "(default: grammar,suffix,prompt_lookup, plus draft_model with --draft-model and head with a draft "

@@ -7,7 +7,7 @@ quantization and tensor-parallel transforms:
 - `RMSNorm` and `AttentionCore` become kernel versions with a fixed reduction order per row.
 
 Activations are fp32 between operations; inside a quantized linear they are rounded per block of 32 to int16
-(`act_bits=16`, the default) or to int8 (`act_bits=8`, llama.cpp's precision at twice the multiply rate: see
+(`act_bits=16`, the default) or to int8 (`act_bits=8`, as llama.cpp rounds them to int8, at twice the multiply rate: see
 the README on the decode path). Every row's arithmetic is the same whatever the number of rows in the call, so the
 logits of k tokens verified in one forward are bit-identical to feeding them one at a time; this is what
 lets the ultrafast tier promise exactly the standard tier's tokens. (PyTorch's own fp32 `F.linear` is not

@@ -83,6 +83,13 @@ def test_packed_features_keep_the_shards_of_runs_before_the_choice():
     assert Recipe(features="packed").data_key() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def test_a_checkpoint_key_changes_with_what_a_run_computes_not_with_its_batch_of_continuations():
+    assert Recipe(gen_batch=4).key() == Recipe(gen_batch=16).key()
+    assert Recipe(gen_batch=4).data_key() == Recipe().data_key()
+    for changed in (Recipe(lr=3e-3), Recipe(epochs=3), Recipe(source="greedy"), Recipe(extra_layers="eagle3")):
+        assert changed.key() != Recipe().key()
+
+
 def test_truncated_sharegpt_json_gives_its_complete_conversations():
     convs = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
              for i in range(5)]

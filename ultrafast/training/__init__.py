@@ -71,9 +71,13 @@ class Recipe:
 
     TRAINING_VERSION = 2  # raised when training changes what a checkpoint holds (2: the embedding scale)
 
+    NOT_IN_KEY = ("gen_batch",)  # fields that change how fast a run goes, never what it computes
+
     def key(self) -> str:
-        """Identifies the training checkpoint a run may resume from (every field, and the training's version)."""
-        blob = {**asdict(self), "training_version": self.TRAINING_VERSION}
+        """Identifies the training checkpoint a run may resume from (every field that changes what the run
+        computes, and the training's version)."""
+        blob = {k: v for k, v in asdict(self).items() if k not in self.NOT_IN_KEY}
+        blob["training_version"] = self.TRAINING_VERSION
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
 
     def data_key(self) -> str:
