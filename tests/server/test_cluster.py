@@ -114,7 +114,7 @@ def test_balancer_survives_a_replica_killed_mid_load(cluster):
 
     stop = threading.Event()
     received: dict[str, int] = {}  # request id -> completion tokens the client received
-    failures: list[tuple[str, float, float]] = []  # (error, seconds since the request began, when it failed)
+    failures: list[tuple[str, float, float]] = []  # (error, when the request began, when it failed)
     lock = threading.Lock()
 
     def load(i: int):
@@ -144,7 +144,7 @@ def test_balancer_survives_a_replica_killed_mid_load(cluster):
                     received[rid] = tokens
             except (openai.APIError, RuntimeError, httpx.HTTPError) as e:
                 with lock:
-                    failures.append((f"{type(e).__name__}: {e}"[:160], time.monotonic() - t0, time.monotonic()))
+                    failures.append((f"{type(e).__name__}: {e}"[:160], t0, time.monotonic()))
 
     threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
     t_load = time.time()
@@ -156,8 +156,9 @@ def test_balancer_survives_a_replica_killed_mid_load(cluster):
     time.sleep(1)
     victim = cl.replicas[0]
     before_kill = len(received)
-    victim.kill()
     t_kill = time.monotonic()
+    victim.kill()  # returns once the process is reaped: its listening socket is closed
+    t_dead = time.monotonic()
     time.sleep(8)
     stop.set()
     for t in threads:
@@ -167,7 +168,10 @@ def test_balancer_survives_a_replica_killed_mid_load(cluster):
     assert before_kill > 0 and len(received) > before_kill, (before_kill, len(received), failures[:5])  # served after the kill too
     # failed, not hung: within 30 s of the kill (a request may have waited long before it on a loaded machine)
     assert all(at - t_kill < 30 for _, _, at in failures), failures
-    assert len(failures) <= 4, failures  # at most the requests in flight on the dead replica (one per thread)
+    # only requests sent before the replica was gone fail: while a killed process is torn down its listening
+    # socket still completes handshakes, and those connections are then reset (a 502, not retried: a POST that
+    # reached a replica is never replayed). Once it is reaped, a connection to it is refused and retried elsewhere.
+    assert all(began < t_dead for _, began, _ in failures), [(e, began - t_dead) for e, began, _ in failures]
 
     # after the kill every key is served (its home moved if it was the dead replica's)
     for k in keys:
