@@ -26,8 +26,10 @@ def test_a_walk_skips_the_positions_a_pass_accepted_and_counts_the_rows_it_verif
     # k = 1: passes at 0, 2, 4, each emitting 2 tokens for 1 draft row; k = 2: at 0 (3 tokens), 3 (1), 4 (3)
     assert s["tau_by_length"] == [2.0, round(7 / 3, 3)] and s["drafts_by_length"] == [1.0, round(4 / 3, 2)]
     got = {"prompt_lookup": (3, 1), "suffix": (0, 0), "head tree 6": (6, 2)}
-    assert draft_rows("prompt_lookup", got, 2, []) == 2 and draft_rows("head tree 6", got, 1, []) == 6
-    assert draft_rows("joined", got, 2, ["prompt_lookup", "suffix", "head tree 6"]) == 2 + 0 + 6
+    trees = frozenset({"head tree 6"})
+    assert draft_rows("prompt_lookup", got, 2, [], trees) == 2 and draft_rows("head tree 6", got, 1, [], trees) == 6
+    assert draft_rows("head tree 6", got, 1, [], frozenset()) == 1  # a name outside `trees` is a chain, cut to k
+    assert draft_rows("joined", got, 2, ["prompt_lookup", "suffix", "head tree 6"], trees) == 2 + 0 + 6
 
 
 def test_chains_and_trees_are_accepted_up_to_the_first_wrong_token():

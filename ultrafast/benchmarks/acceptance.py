@@ -88,12 +88,12 @@ class Walk:
                 "drafts_by_length": [round(r / max(n, 1), 2) for r, n in zip(self.drafts, self.passes)]}
 
 
-def draft_rows(name: str, got: dict, k: int, joined: list[str]) -> int:
+def draft_rows(name: str, got: dict, k: int, joined: list[str], trees: frozenset[str]) -> int:
     """The draft rows a pass verifies for this drafter's proposal at chain length k: a chain cut to k, a tree
-    whole, the joined tree its parts."""
+    (a name in `trees`) whole, the joined tree its parts."""
     if name == JOINED:
-        return sum(draft_rows(n, got, k, joined) for n in joined)
-    return got[name][0] if name.startswith("head tree") else min(got[name][0], k)
+        return sum(draft_rows(n, got, k, joined, trees) for n in joined)
+    return got[name][0] if name in trees else min(got[name][0], k)
 
 
 def chain_accepted(proposal: list[int], truth: list[int]) -> int:
@@ -140,6 +140,7 @@ def measure(engine, prompts: list[list[int]], *, max_tokens: int, depth: int = 5
                                            layers=engine.draft_head.config.extra_layers if engine.draft_head else ()):
             answers[i] = result
     head = engine.draft_head
+    trees = frozenset(f"head tree {n}" for n in nodes) if head is not None else frozenset()
     names = list(LOOKUPS) + (["head"] + [f"head tree {n}" for n in nodes] if head is not None else [])
     joined = [*LOOKUPS] + ([f"head tree {max(nodes)}"] if head is not None else [])
     names.append(JOINED)
@@ -164,7 +165,7 @@ def measure(engine, prompts: list[list[int]], *, max_tokens: int, depth: int = 5
                         by_label[labels[i] if labels else "all"][name].add(n_prop, acc)
                 if stride == 1:
                     for name, w in walks.items():
-                        w.add([([draft_rows(name, got, k, joined) for k in range(1, depth + 1)], got[name][1])
+                        w.add([([draft_rows(name, got, k, joined, trees) for k in range(1, depth + 1)], got[name][1])
                                for got in rows])
                 generated += len(truth_all) - len(prompt)
                 done += 1
