@@ -140,10 +140,10 @@ def measure(engine, prompts: list[list[int]], *, max_tokens: int, depth: int = 5
                                            layers=engine.draft_head.config.extra_layers if engine.draft_head else ()):
             answers[i] = result
     head = engine.draft_head
-    trees = frozenset(f"head tree {n}" for n in nodes) if head is not None else frozenset()
-    names = list(LOOKUPS) + (["head"] + [f"head tree {n}" for n in nodes] if head is not None else [])
+    tree_names = [f"head tree {n}" for n in nodes] if head is not None else []
+    trees = frozenset(tree_names)
+    names = [*LOOKUPS, *(["head", *tree_names] if head is not None else []), JOINED]
     joined = [*LOOKUPS] + ([f"head tree {max(nodes)}"] if head is not None else [])
-    names.append(JOINED)
     tallies = {n: Tally(depth) for n in names}
     walks = {n: Walk(depth) for n in names}
     by_label = defaultdict(lambda: {n: Tally(depth) for n in names})
