@@ -316,3 +316,24 @@ def test_catch_up_cost_is_charged():
             st.step(1, pos, sampler, 64)
         assert (st.stats.by_drafter["costly"].passes > 0) == used
         assert st.probe_interval(0.05, catch_up) > 200 or used
+
+
+def test_drafting_cost_is_counted_apart_from_the_verify_cost():
+    """A drafter with a cost per token (a draft model, a head) charges each pass its drafts at that cost, in
+    `draft_cost`, beside the verify passes' r(k) in `cost` (what the server weighs against a batched pass);
+    the lookups cost nothing."""
+    from ultrafast.speculative import SpeculativeStepper
+
+    r = [0.0, 1.0] + [1.0 + 0.4 * (k - 1) for k in range(2, 18)]
+    st = SpeculativeStepper(_ArgmaxEngine(), None, [_CostlyRight(0.0)], r)
+    sampler = _Greedy()
+    drafted = 0
+    for pos in range(20):
+        st.step(1, pos, sampler, 64)
+        drafted = st.stats.by_drafter["costly"].drafted
+        assert st.stats.draft_cost == pytest.approx(0.05 * drafted)
+    assert drafted > 0
+    lookup = SpeculativeStepper(_ArgmaxEngine(), None, [_TwoKindsDrafter()], r)
+    for pos in range(20):
+        lookup.step(1, pos, sampler, 64)
+    assert lookup.stats.by_drafter["two_kinds"].drafted > 0 and lookup.stats.draft_cost == 0.0

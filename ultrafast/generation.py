@@ -132,14 +132,17 @@ class Generation:
         """The next plain step's input (tokens, start position, cache), for a batched pass."""
         return [self.out_ids[-1]], self.pos, self.cache
 
-    def advance(self, logits: torch.Tensor | None = None) -> None:
+    def advance(self, logits: torch.Tensor | None = None, features: torch.Tensor | None = None) -> None:
         """One pass: this generation's own step (plain or speculative), or the logits row a batched pass
-        computed for `plain_input()`."""
+        computed for `plain_input()`, with that row's features [1, dim] when the stepper reads them
+        (`wants_hidden`: a draft head keeps its context through batched passes too)."""
         if logits is None:
             new = self.stepper.step(self.out_ids[-1], self.pos, self.sampler, self.budget - len(self.out_ids))
         else:
             new = [self.sampler.sample(logits)]
             self.stepper.stats.record_plain()
+            if features is not None:
+                self.stepper.observe(self.pos, features, new)
         self.pos += len(new)
         self._take(new)
 

@@ -58,6 +58,7 @@ class SpecStats:
     emitted: int = 0  # tokens those passes produced
     plain_steps: int = 0
     cost: float = 0.0  # sum over passes of r(rows in the pass): the passes' cost in 1-token forwards
+    draft_cost: float = 0.0  # what drafting those passes cost, in the same unit (0 for the lookups)
     by_drafter: dict[str, DrafterStats] = field(default_factory=dict)
 
     def record_plain(self) -> None:
@@ -324,6 +325,9 @@ class SpeculativeStepper:
         self.stats.verify_passes += 1
         self.stats.emitted += len(out)
         self.stats.cost += self.r[len(drafts) + 1]
+        if drafter is not None:  # a tree costs its levels, a chain its tokens (each at the drafter's measured cost)
+            spent = getattr(drafter, "tree_depth", 1) if parents is not None else len(drafts)
+            self.stats.draft_cost += getattr(drafter, "cost_per_token", 0.0) * spent
         if drafter is None:
             self.stats.plain_steps += 1
             self._plain_run += 1

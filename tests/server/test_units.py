@@ -646,6 +646,70 @@ def test_standard_steps_are_batched(tmp_path):
     assert not any(e[1] == "own" for e in eng.log if e[0] != 4)
 
 
+def test_ultrafast_candidates_with_a_draft_head_decode_together(tmp_path, tiny_head, smollm_path):
+    """Ultrafast requests whose drafter reads the target's features (a draft head) share batched plain passes
+    too: the pass returns the features and each row goes to its candidate's head, which keeps its context
+    (the SmolLM2 suite's ultrafast requests used to speculate alone while the standard tier's shared passes).
+    Their texts stay the standard tier's."""
+    from ultrafast.engine import Engine
+
+    engine = Engine.from_path(smollm_path, max_context=512)
+    engine.attach_draft_head(tiny_head[1])
+    # a verify cost under which three rows in one pass (3 tokens for 1.3 steps) beat any request's own drafts
+    engine.r_table = [0.0, 1.0] + [1.0 + 0.15 * (k - 1) for k in range(2, 18)]
+    calls, fed = [], []
+    forward_batch = engine.forward_batch
+
+    def spy(seqs, hidden=False):
+        calls.append(hidden)
+        return forward_batch(seqs, hidden=hidden)
+
+    engine.forward_batch = spy
+    w, _ = _worker(tmp_path, engine, slots=3, weight=2)
+    questions = ["Name three rivers of Europe.", "What is a prime number?", "Write a haiku about the sea."]
+    prompts = [engine.chat_prompt([{"role": "user", "content": q}]) for q in questions]
+    reqs = []
+    for ids in prompts:
+        r = _request(ids, 24, tier="ultrafast")
+        r.model = "fake"
+        reqs.append(r)
+    observe = type(engine.stepper("ultrafast")).observe
+
+    def watch(self, start_pos, features, tokens_after):
+        fed.append((start_pos, features.shape[0], len(tokens_after)))
+        return observe(self, start_pos, features, tokens_after)
+
+    with mock.patch.object(type(engine.stepper("ultrafast")), "observe", watch):
+        _run_worker(w, reqs)
+    for r, ids in zip(reqs, prompts):
+        text = "".join(m[2] for m in r.msgs if m[0] == "delta")
+        assert text == engine.generate(ids, SamplingParams(max_tokens=24)).text
+    assert True in calls  # batched passes asked for the features the head reads ...
+    assert w.metrics.batched_rows.labels("fake", "ultrafast")._value.get() > 0
+    assert sum(1 for _, rows, toks in fed if rows == 1 and toks == 1) > 0  # ... and handed each row over
+
+
+def test_a_probe_that_loses_to_the_batch_waits_twice_as_long(tmp_path):
+    """Batched ultrafast candidates speculate alone now and then (a probe). A probe whose drafts yield less than
+    the batched pass doubles that candidate's wait (8, 16, ... up to 64 rounds); one whose drafts yield more
+    brings it back to 8. Each round probes at most one candidate, the one waiting longest."""
+    w, _ = _worker(tmp_path, FakeEngine())
+    a, b = (mock.Mock(batched_rounds=0, probe_every=0, spec_rate=1.0) for _ in range(2))
+    picks = [w._probe([a, b]) for _ in range(8)]
+    assert picks[:7] == [None] * 7 and picks[7] is a  # both due at round 8: one probe, then the other
+    w._probed(a, batch_rate=2.5)  # its drafts gave 1.0 token per step-time against the batch's 2.5
+    assert a.probe_every == 16 and a.batched_rounds == 0
+    assert w._probe([a, b]) is b
+    w._probed(b, batch_rate=2.5)
+    for _ in range(3):
+        a.batched_rounds = a.probe_every
+        w._probed(a, batch_rate=2.5)
+    assert a.probe_every == 64  # 32, 64, and no further
+    a.spec_rate = 3.0  # text that repeats: its drafts now beat the batch
+    w._probed(a, batch_rate=2.5)
+    assert a.probe_every == 8
+
+
 def test_worker_builds_its_engine_with_the_activation_bits(tmp_path, smollm_path):
     """`serve --activation-bits 8` reaches the engine the worker loads (both tiers share it)."""
     import ultrafast.kernels as uk

@@ -63,10 +63,17 @@ class HeadDrafter:
             self.pending.append((start_pos + 1, list(tokens_after[:n]), features[:n].float()))
 
     def _flush(self) -> None:
-        for pos, toks, feats in self.pending:
+        runs: list[tuple[int, list[int], list[torch.Tensor]]] = []  # contiguous rows go through the head together
+        for pos, toks, feats in self.pending:  # (batched plain passes hand it one row at a time)
+            if runs and runs[-1][0] + len(runs[-1][1]) == pos:
+                runs[-1][1].extend(toks)
+                runs[-1][2].append(feats)
+            else:
+                runs.append((pos, list(toks), [feats]))
+        for pos, toks, feats in runs:
             if pos != self.upto:  # the first rows, or a gap (rows the head never saw): its context starts here
                 self.base = pos
-            self.f_last = self._rows(pos, toks, feats)[-1:]
+            self.f_last = self._rows(pos, toks, torch.cat(feats))[-1:]
             self.upto = pos + len(toks)
         self.pending = []
 

@@ -78,6 +78,8 @@ class Candidate:
     finish_reason: str | None = None
     spec_rate: float = 1.0  # ultrafast: tokens per target step-time of its own passes (EMA) ...
     spec_passes: int = 0  # ... over this many passes
+    batched_rounds: int = 0  # ultrafast: rounds in a batched plain pass since it last speculated alone ...
+    probe_every: int = 0  # ... and how many such rounds until it does again (0: not yet set)
 
     @property
     def logprobs(self) -> bool:
@@ -175,7 +177,6 @@ class ModelWorker:
         self.engine = None
         self.logprobs_supported = False
         self._generations = self._batch = False
-        self._batched_rounds = 0  # ultrafast batched rounds since the last probe
         self.slots: list[Slot] = []
         self.load_error: BaseException | None = None
         self.ready = threading.Event()
@@ -403,13 +404,13 @@ class ModelWorker:
         live = lambda c: c.state == "active" and not c.req.cancelled  # noqa: E731
         ultra = [c for c in self._active if c.req.tier == "ultrafast"]
         together = self._batchable([c for c in ultra if live(c)])
-        if together and self._batch_pays(together):
-            # every BATCH_PROBE rounds one of them (in turn) speculates alone, so that drafts that start paying
-            # (text that repeats) are seen
-            self._batched_rounds += 1
-            probe = None
-            if self._batched_rounds % self.BATCH_PROBE == 0:
-                probe = together[(self._batched_rounds // self.BATCH_PROBE) % len(together)]
+        probe, batch_rate = None, 0.0
+        batching = bool(together) and self._batch_pays(together)
+        if batching:
+            # now and then one of them speculates alone, so that drafts that start paying (text that repeats)
+            # are seen (`_probe`)
+            batch_rate = self._batch_rate(together)
+            probe = self._probe(together)
             group = [c for c in together if c is not probe]
             for _ in range(self.ultrafast_weight):
                 self._batched_pass([c for c in group if live(c)])
@@ -418,7 +419,12 @@ class ModelWorker:
             for _ in range(self.ultrafast_weight):
                 if not live(c):
                     break
+                fresh = not c.prefilled
                 self._step(c)
+                if fresh and batching:
+                    break  # its prefill only: it joins the batched passes next round (not three passes alone)
+        if probe is not None:
+            self._probed(probe, batch_rate)
         standard = [c for c in self._active if c.req.tier != "ultrafast"]
         fresh = [c for c in standard if not c.prefilled and live(c)]
         for c in fresh:
@@ -432,11 +438,15 @@ class ModelWorker:
                     self._step(c)
 
     def _batched_pass(self, cands: list[Candidate]) -> None:
-        """One pass over the weights for several candidates' plain steps (bit-identical to each alone)."""
+        """One pass over the weights for several candidates' plain steps (bit-identical to each alone). When
+        their steppers read the target's features (a draft head; `_batchable` groups only those that read the
+        same ones), the pass returns them too and each candidate's row goes to its stepper."""
         if not cands:
             return
+        spec = _hidden_spec(cands[0])
         try:
-            logits = self.engine.forward_batch([c.gen.plain_input() for c in cands])
+            seqs = [c.gen.plain_input() for c in cands]
+            out = self.engine.forward_batch(seqs, hidden=spec) if spec else self.engine.forward_batch(seqs)
         except Exception as e:
             log.exception("a batched pass failed (model %s)", self.name)
             for c in cands:
@@ -444,50 +454,84 @@ class ModelWorker:
             return
         for tier in {c.req.tier for c in cands}:
             self.metrics.batched_rows.labels(self.name, tier).inc(sum(c.req.tier == tier for c in cands))
-        for c, row in zip(cands, logits):
+        logits, feats = out if spec else (out, None)
+        for i, (c, row) in enumerate(zip(cands, logits)):
             if c.state == "active" and not c.req.cancelled:
-                self._step(c, row)
+                self._step(c, row, None if feats is None else feats[i:i + 1])
 
     # ---- ultrafast candidates decoding together (n > 1, or several ultrafast requests)
 
-    BATCH_PROBE = 8  # batched rounds between two probes (one candidate speculating alone, re-measured)
+    # batched rounds before a candidate speculates alone again (a probe, re-measuring its drafts): BATCH_PROBE at
+    # first and after a probe whose drafts beat the batched pass, doubled up to BATCH_PROBE_MAX after each one
+    # whose drafts did not (open text: a probe's passes cost its batch mates a round)
+    BATCH_PROBE, BATCH_PROBE_MAX = 8, 64
 
     def _batchable(self, ultra: list[Candidate]) -> list[Candidate]:
-        """The ultrafast candidates that may join a batched plain pass: prefilled, and with no drafter that reads
-        the target's features (a batched pass computes none)."""
+        """The ultrafast candidates that may join a batched plain pass: prefilled, and reading the same target
+        features (none, or a draft head's: the pass returns those, so a head keeps its context while its
+        candidate steps in the batch). Where candidates read different features, the largest such group."""
         if not self._batch or self.fixed_draft_k is not None:  # a fixed draft length: every pass drafts
             return []
-        out = [c for c in ultra if c.prefilled and hasattr(c.gen, "plain_input")
-               and not getattr(getattr(c.gen, "stepper", None), "wants_hidden", True)]
+        groups: dict[Any, list[Candidate]] = {}
+        for c in ultra:
+            if c.prefilled and hasattr(c.gen, "plain_input") and hasattr(c.gen, "stepper"):
+                groups.setdefault(_hidden_spec(c), []).append(c)
+        out = max(groups.values(), key=len, default=[])
         return out if len(out) > 1 else []
+
+    def _batch_rate(self, group: list[Candidate]) -> float:
+        """Tokens per step-time of one batched plain pass for the group, by the engine's measured r(k): m rows in
+        one pass cost r(m) steps (0.0 before r(k) is measured)."""
+        r = getattr(self.engine, "r_table", None)
+        if not r:
+            return 0.0
+        m = len(group)
+        return m / (r[min(m, len(r) - 1)] * max(1.0, m / (len(r) - 1)))
 
     def _batch_pays(self, group: list[Candidate]) -> bool:
         """Whether one batched plain pass for the group yields more tokens per unit of time than the candidates'
         own speculative passes do (the measured tokens per step-time of those that have speculated; 1.0, a
-        plain step's, before any has), by the engine's measured r(k): m rows in one pass cost r(m) steps."""
-        r = getattr(self.engine, "r_table", None)
-        if not r:
-            return False
-        m = len(group)
-        cost = r[min(m, len(r) - 1)] * max(1.0, m / (len(r) - 1))
+        plain step's, before any has)."""
         rates = [c.spec_rate for c in group if c.spec_passes]
-        return m / cost > 1.05 * (sum(rates) / len(rates) if rates else 1.0)
+        return self._batch_rate(group) > 1.05 * (sum(rates) / len(rates) if rates else 1.0)
 
-    def _step(self, c: Candidate, logits=None) -> None:
-        """Prefill c, or advance it one pass (its own, or its row of a batched pass)."""
+    def _probe(self, together: list[Candidate]) -> Candidate | None:
+        """Count a batched round for each candidate; the one (longest waiting first) whose probe is due, if any."""
+        due = None
+        for c in together:
+            c.probe_every = c.probe_every or self.BATCH_PROBE
+            c.batched_rounds += 1
+            if c.batched_rounds >= c.probe_every and (due is None or c.batched_rounds > due.batched_rounds):
+                due = c
+        return due
+
+    def _probed(self, c: Candidate, batch_rate: float) -> None:
+        """After c's probe: wait twice as long for the next while its drafts yield less than the batched pass
+        (up to BATCH_PROBE_MAX rounds), BATCH_PROBE again once they yield more."""
+        c.batched_rounds = 0
+        if c.spec_rate * 1.05 < batch_rate:
+            c.probe_every = min(self.BATCH_PROBE_MAX, 2 * c.probe_every)
+        else:
+            c.probe_every = self.BATCH_PROBE
+
+    def _step(self, c: Candidate, logits=None, features=None) -> None:
+        """Prefill c, or advance it one pass (its own, or its row of a batched pass, with the row's features
+        when its stepper reads them)."""
         req, g = c.req, c.gen
         try:
             if not c.prefilled:
                 c.prefilled = True  # siblings may copy its rows from now on
                 g.prefill()
             elif logits is None and req.tier == "ultrafast" and hasattr(g, "stepper"):
-                stats = g.stepper.stats  # its own speculative pass: what it yields per step-time
-                emitted, cost = stats.emitted, stats.cost
+                stats = g.stepper.stats  # its own speculative pass: what it yields per step-time, drafting included
+                emitted, cost = stats.emitted, stats.cost + stats.draft_cost
                 g.advance()
-                if stats.cost > cost:
-                    rate = (stats.emitted - emitted) / (stats.cost - cost)
+                if stats.cost + stats.draft_cost > cost:
+                    rate = (stats.emitted - emitted) / (stats.cost + stats.draft_cost - cost)
                     c.spec_rate = rate if not c.spec_passes else 0.7 * c.spec_rate + 0.3 * rate
                     c.spec_passes += 1
+            elif features is not None:
+                g.advance(logits, features)
             else:
                 g.advance(logits)
         except Exception as e:
@@ -655,3 +699,9 @@ class ModelWorker:
             },
         }
         req.emit(("done", summary, fut))
+
+
+def _hidden_spec(c: Candidate):
+    """The target features c's stepper reads (`wants_hidden`: False none, True the last layer's, or a tuple of
+    extra layers); the standard tier's plain stepper reads none."""
+    return getattr(getattr(c.gen, "stepper", None), "wants_hidden", False)
