@@ -61,6 +61,11 @@ class SpecStats:
     draft_cost: float = 0.0  # what drafting those passes cost, in the same unit (0 for the lookups)
     by_drafter: dict[str, DrafterStats] = field(default_factory=dict)
 
+    @property
+    def spent(self) -> float:
+        """The passes' cost with their drafting's, in 1-token forwards."""
+        return self.cost + self.draft_cost
+
     def record_plain(self) -> None:
         self.verify_passes += 1
         self.emitted += 1
@@ -239,7 +244,7 @@ class SpeculativeStepper:
             # a draft model first feeds what its cache lacks (the whole prompt, the first time): charged too
             catch_up = d.catch_up_cost(context) if hasattr(d, "catch_up_cost") else 0.0
             if hasattr(d, "propose_tree"):  # a tree costs its levels whatever is kept: judged by its recent passes
-                tree_cost = cost * getattr(d, "tree_depth", 1)
+                tree_cost = _tree_cost(d)
                 n_est = min(len(self.r) - 1, max(2, round(st.tree_nodes) + 1))
                 worth = (1 + st.tree_accepted) / (self.r[n_est] + tree_cost) > 1.02
                 if worth or self._plain_run >= self.probe_interval(tree_cost, catch_up):
@@ -325,14 +330,14 @@ class SpeculativeStepper:
         self.stats.verify_passes += 1
         self.stats.emitted += len(out)
         self.stats.cost += self.r[len(drafts) + 1]
-        if drafter is not None:  # a tree costs its levels, a chain its tokens (each at the drafter's measured cost)
-            spent = getattr(drafter, "tree_depth", 1) if parents is not None else len(drafts)
-            self.stats.draft_cost += getattr(drafter, "cost_per_token", 0.0) * spent
         if drafter is None:
             self.stats.plain_steps += 1
             self._plain_run += 1
         else:
             self._plain_run = 0
+            # drafting's cost: a tree its levels, a chain its tokens, each at the drafter's measured cost
+            self.stats.draft_cost += _tree_cost(drafter) if parents is not None else \
+                getattr(drafter, "cost_per_token", 0.0) * len(drafts)
             accepted = len(out) - 1
             st = self.stats.by_drafter[drafter.name]
             st.passes += 1
@@ -342,6 +347,11 @@ class SpeculativeStepper:
             st.rate = (1 - self.EMA) * st.rate + self.EMA * (accepted / trials)
             st.rates[cls] = (1 - self.EMA) * st.rates.get(cls, DrafterStats.rate) + self.EMA * (accepted / trials)
         return out
+
+
+def _tree_cost(d) -> float:
+    """What a tree from drafter d costs to draft, in 1-token forwards: one step of the drafter per level."""
+    return getattr(d, "cost_per_token", 0.0) * getattr(d, "tree_depth", 1)
 
 
 class PlainStepper:

@@ -599,7 +599,7 @@ class FakeGeneration:
     def plain_input(self):
         return [self.out[-1]], len(self.prompt) + len(self.out) - 1, self.cache
 
-    def advance(self, logits=None):
+    def advance(self, logits=None, features=None):
         self.engine.log.append((self.prompt[0], "batched" if logits is not None else "own"))
         self._emit()
 
@@ -629,7 +629,7 @@ class BatchingEngine(FakeEngine):
     def start(self, prompt, params, tier="standard", cache=None):
         return FakeGeneration(self, prompt, params, tier, cache)
 
-    def forward_batch(self, seqs):
+    def forward_batch(self, seqs, hidden=False):
         self.batches.append(len(seqs))
         return torch.zeros(len(seqs), 4)
 

@@ -137,7 +137,7 @@ class StreamGeneration:
     def prefill(self) -> None:
         self._step()
 
-    def advance(self, logits=None) -> None:
+    def advance(self, logits=None, features=None) -> None:
         self._step()
 
     def take_events(self) -> list:
@@ -445,8 +445,7 @@ class ModelWorker:
             return
         spec = _hidden_spec(cands[0])
         try:
-            seqs = [c.gen.plain_input() for c in cands]
-            out = self.engine.forward_batch(seqs, hidden=spec) if spec else self.engine.forward_batch(seqs)
+            out = self.engine.forward_batch([c.gen.plain_input() for c in cands], hidden=spec)
         except Exception as e:
             log.exception("a batched pass failed (model %s)", self.name)
             for c in cands:
@@ -524,16 +523,14 @@ class ModelWorker:
                 g.prefill()
             elif logits is None and req.tier == "ultrafast" and hasattr(g, "stepper"):
                 stats = g.stepper.stats  # its own speculative pass: what it yields per step-time, drafting included
-                emitted, cost = stats.emitted, stats.cost + stats.draft_cost
+                emitted, spent = stats.emitted, stats.spent
                 g.advance()
-                if stats.cost + stats.draft_cost > cost:
-                    rate = (stats.emitted - emitted) / (stats.cost + stats.draft_cost - cost)
+                if stats.spent > spent:
+                    rate = (stats.emitted - emitted) / (stats.spent - spent)
                     c.spec_rate = rate if not c.spec_passes else 0.7 * c.spec_rate + 0.3 * rate
                     c.spec_passes += 1
-            elif features is not None:
-                g.advance(logits, features)
             else:
-                g.advance(logits)
+                g.advance(logits, features)
         except Exception as e:
             log.exception("generation failed (model %s, request %s)", self.name, req.id)
             self._stop_request(req, "failed", f"generation failed: {type(e).__name__}: {e}")
