@@ -371,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-context", type=int, default=2048)
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--out", default="humaneval-records.jsonl", help="one JSON line per problem and run, appended")
+    e.add_argument("--resume", action="store_true",
+                   help="take --out's records made with the same settings instead of running them again")
     e.add_argument("--json", default=None, help="also write the summary as JSON to this file")
     e.set_defaults(fn=lambda a: __import__("ultrafast.evals.humaneval", fromlist=["run"]).run(a))
 

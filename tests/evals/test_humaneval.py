@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 
@@ -60,9 +61,44 @@ def test_a_small_run_through_the_server(tmp_path, smollm_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 8 and all(len(r["statuses"]) == r["n"] for r in records)
     assert all(r["completion_tokens"] > 0 and r["generation_s"] > 0 for r in records)
+    # problem by problem: each problem's four runs back to back
+    assert [(r["task_id"], r["tier"], r["n"]) for r in records[:4]] == [
+        ("HumanEval/0", "standard", 3), ("HumanEval/0", "standard", 1), ("HumanEval/0", "ultrafast", 3),
+        ("HumanEval/0", "ultrafast", 1)]
     assert "| standard | 3 | 2 |" in p.stdout and "wall-clock of n = 1" in p.stdout
     png = summary.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+    # --resume with one more problem: only the third problem's four requests run
+    p = subprocess.run([sys.executable, "-m", "ultrafast.cli", "evals", "humaneval", "--model", str(smollm_path),
+                        "--limit", "3", "--n", "3", "--tier", "both", "--max-tokens", "48", "--exec-timeout", "5",
+                        "--out", str(out), "--json", str(summary), "--resume"], capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming: 8 records" in p.stderr
+    again = [json.loads(line) for line in out.read_text().splitlines()]
+    assert again[:8] == records and len(again) == 12
+    assert {r["task_id"] for r in again[8:]} == {"HumanEval/2"}
+    assert [s["problems"] for s in json.loads(summary.read_text())] == [3, 3, 3, 3]
+
+
+def test_resume_takes_only_records_made_with_the_same_settings(tmp_path):
+    import argparse
+
+    from ultrafast.evals.humaneval import ProblemResult, resumable, settings
+
+    args = argparse.Namespace(temperature=0.8, top_p=0.95, max_tokens=512, seed=0, exec_timeout=10.0)
+    mine = settings(args, "m")
+    other = settings(argparse.Namespace(**{**vars(args), "seed": 1}), "m")
+    path = tmp_path / "records.jsonl"
+    rows = [ProblemResult("HumanEval/0", "standard", 10, 3, 0, 1.0, 0.1, 50, 20, settings=mine),
+            ProblemResult("HumanEval/0", "ultrafast", 10, 3, 0, 1.0, 0.1, 50, 20, settings=other),
+            ProblemResult("HumanEval/1", "standard", 10, 0, None, 1.0, 0.1, 50, 20)]  # no settings: an old record
+    path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in rows) + "not json\n")
+    done, ignored = resumable(path, mine)
+    assert list(done) == [("HumanEval/0", "standard", 10)] and done[("HumanEval/0", "standard", 10)] == rows[0]
+    assert ignored == 3
+    assert resumable(tmp_path / "absent.jsonl", mine) == ({}, 0)
 
 
 def test_bad_n_is_an_error_line():

@@ -7,8 +7,11 @@ kept. Per tier: pass@1 (the unbiased estimator over the N samples), the best-of-
 wall-clock per problem and in total, tokens/s per candidate and in aggregate; with the baseline on, the same
 problems with n = 1 in the same tier, so that the wall-clock of N candidates is read against one's.
 
-Every problem's record is appended to a JSON-lines file as it completes, so Ctrl-C leaves the results so far
-(and the summary of them is printed and written).
+The runs go problem by problem: each problem's requests for every tier and N one after the other, so the tiers
+are compared on the same problems in the same minutes, and a run stopped part-way is a complete comparison on
+the problems it reached. Every request's record (with the settings it ran under) is appended to a JSON-lines file
+as it completes, so Ctrl-C leaves the results so far (and the summary of them is printed and written);
+`--resume` takes the file's records made with the same settings instead of running those requests again.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class ProblemResult:
     prompt_tokens: int
     statuses: list[str] = field(default_factory=list)
     decode_tokens_per_s: list[float] = field(default_factory=list)  # the server's time_info (first candidate)
+    settings: dict = field(default_factory=dict)  # what the request ran under (`settings`): --resume matches it
 
 
 @dataclass
@@ -124,6 +128,33 @@ def solve(client, model: str, problem: dict, tier: str, n: int, sandbox: Sandbox
                          r.usage.prompt_tokens, statuses, [rate] if rate else [])
 
 
+def settings(args, model: str) -> dict:
+    """What a record's outcome depends on besides its problem, tier and N: a record is resumed only under the
+    same settings."""
+    return {"model": model, "temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens,
+            "seed": args.seed, "exec_timeout": args.exec_timeout}
+
+
+def resumable(path: Path, current: dict) -> tuple[dict[tuple[str, str, int], ProblemResult], int]:
+    """The records in `path` made under `current` settings, by (task_id, tier, n); and how many others it holds."""
+    done, other = {}, 0
+    if not path.is_file():
+        return done, other
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = ProblemResult(**json.loads(line))
+        except (ValueError, TypeError):
+            other += 1
+            continue
+        if rec.settings == current:
+            done[(rec.task_id, rec.tier, rec.n)] = rec
+        else:
+            other += 1
+    return done, other
+
+
 def run(args) -> int:
     import openai
 
@@ -139,32 +170,39 @@ def run(args) -> int:
     sandbox = Sandbox(Limits(seconds=args.exec_timeout))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"HumanEval: {len(problems)} problems, n = {args.n}{' and 1' if args.baseline else ''}, tiers "
-          f"{', '.join(tiers)}; sandbox: {sandbox.isolation()}; records -> {out}", file=sys.stderr)
-    summaries: list[Summary] = []
     runs = [(tier, n) for tier in tiers for n in ([args.n, 1] if args.baseline and args.n != 1 else [args.n])]
+    print(f"HumanEval: {len(problems)} problems, n = {args.n}{' and 1' if args.baseline else ''}, tiers "
+          f"{', '.join(tiers)}, each problem's runs back to back; sandbox: {sandbox.isolation()}; records -> {out}",
+          file=sys.stderr)
+    results: dict[tuple[str, int], list[ProblemResult]] = {r: [] for r in runs}
     with served(args, slots=max(args.n, 4)) as (base_url, model), out.open("a") as records:
+        current = settings(args, model)
+        done, other = resumable(out, current) if args.resume else ({}, 0)
+        if args.resume:
+            print(f"resuming: {len(done)} records in {out} made with these settings"
+                  f"{f', {other} others ignored' if other else ''}", file=sys.stderr)
         client = openai.OpenAI(base_url=base_url, api_key=args.api_key or "local", max_retries=0, timeout=3600)
+        bar = Progress(len(problems), "problems", "problem")
         try:
-            for tier, n in runs:
-                results = []
-                bar = Progress(len(problems), f"{tier} n={n}", "problem")
-                try:
-                    for i, problem in enumerate(problems):
+            for i, problem in enumerate(problems):
+                for tier, n in runs:
+                    res = done.get((problem["task_id"], tier, n))
+                    if res is None:
                         res = solve(client, model, problem, tier, n, sandbox, temperature=args.temperature,
                                     top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed + 1000 * i)
-                        results.append(res)
+                        res.settings = current
                         records.write(json.dumps(asdict(res)) + "\n")
                         records.flush()
-                        bar.update(1, solved=f"{sum(r.passed > 0 for r in results)}/{len(results)}")
-                finally:
-                    bar.close()
-                    if results:
-                        summaries.append(Summary.of(tier, n, results))
+                    results[(tier, n)].append(res)
+                first = results[runs[0]]
+                bar.update(1, solved=f"{sum(r.passed > 0 for r in first)}/{len(first)} ({runs[0][0]} n={runs[0][1]})")
         except KeyboardInterrupt:
             print("interrupted: the results so far", file=sys.stderr)
         finally:
-            _report(summaries, args)
+            bar.close()
+            # the problems every run reached (an interrupted problem's earlier runs are left out of the summary)
+            k = min(len(v) for v in results.values())
+            _report([Summary.of(tier, n, results[(tier, n)][:k]) for tier, n in runs if k], args)
     return 0
 
 
