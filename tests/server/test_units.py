@@ -689,25 +689,73 @@ def test_ultrafast_candidates_with_a_draft_head_decode_together(tmp_path, tiny_h
     assert sum(1 for _, rows, toks in fed if rows == 1 and toks == 1) > 0  # ... and handed each row over
 
 
-def test_a_probe_that_loses_to_the_batch_waits_twice_as_long(tmp_path):
-    """Batched ultrafast candidates speculate alone now and then (a probe). A probe whose drafts yield less than
-    the batched pass doubles that candidate's wait (8, 16, ... up to 64 rounds); one whose drafts yield more
-    brings it back to 8. Each round probes at most one candidate, the one waiting longest."""
+def test_a_requests_ultrafast_candidates_prefill_then_batch(tmp_path):
+    """The n candidates of an ultrafast request are all fresh in its first round: each prefills and waits for
+    the batched passes of the next round, instead of spending the rest of its round speculating alone (n = 10
+    on the 1.5B: ten candidates' three lone passes each before the first batched pass)."""
+
+    class SteppedGeneration(FakeGeneration):
+        stepper = mock.Mock(wants_hidden=False, stats=mock.Mock(emitted=0, spent=0.0))
+
+    class Engine(BatchingEngine):
+        r_table = [0.0, 1.0] + [1.0 + 0.1 * (k - 1) for k in range(2, 18)]
+
+        def start(self, prompt, params, tier="standard", cache=None):
+            return SteppedGeneration(self, prompt, params, tier, cache)
+
+    eng = Engine()
+    w, _ = _worker(tmp_path, eng, slots=3, weight=2)
+    req = _request([7, 9], 5, tier="ultrafast", n=3)
+    _run_worker(w, [req])
+    assert req.msgs[-1][1]["completion_tokens"] == 15
+    assert [e[1] for e in eng.log].count("prefill") == 3
+    assert not any(e[1] == "own" for e in eng.log), (eng.log, eng.batches)  # prefill, then only batched passes
+    assert eng.batches == [3, 3, 3, 3]
+
+
+def _probe_candidate():
+    return mock.Mock(batched_rounds=0, probed=False, probe_won=False, in_batch_group=False, spec_rate=1.0)
+
+
+def test_batched_candidates_probe_on_one_clock_that_backs_off(tmp_path):
+    """Batched ultrafast candidates speculate alone now and then (a probe), one at a time: the group probes once
+    per 8 rounds at first, and a probe whose drafts yield less than the batched pass doubles the wait (8, 16,
+    ... up to 64 rounds). Ten candidates of one request (n = 10) probe twice in 40 rounds, not ten times in a
+    row from round 8 as when each kept its own clock."""
     w, _ = _worker(tmp_path, FakeEngine())
-    a, b = (mock.Mock(batched_rounds=0, probe_every=0, spec_rate=1.0) for _ in range(2))
-    picks = [w._probe([a, b]) for _ in range(8)]
-    assert picks[:7] == [None] * 7 and picks[7] is a  # both due at round 8: one probe, then the other
-    w._probed(a, batch_rate=2.5)  # its drafts gave 1.0 token per step-time against the batch's 2.5
-    assert a.probe_every == 16 and a.batched_rounds == 0
-    assert w._probe([a, b]) is b
-    w._probed(b, batch_rate=2.5)
+    group = [_probe_candidate() for _ in range(10)]
+    probes = []
+    for rnd in range(1, 41):
+        c = w._probe(group)
+        if c is not None:
+            probes.append((rnd, group.index(c)))
+            w._probed(c, batch_rate=2.5)  # its drafts gave 1.0 token per step-time against the batch's 2.5
+    assert probes == [(8, 0), (24, 1)]  # never-probed candidates first; waits of 8, then 16
+    assert w._probe_wait == 32 and group[0].probed and not group[0].probe_won
     for _ in range(3):
-        a.batched_rounds = a.probe_every
-        w._probed(a, batch_rate=2.5)
-    assert a.probe_every == 64  # 32, 64, and no further
-    a.spec_rate = 3.0  # text that repeats: its drafts now beat the batch
+        w._since_probe = w._probe_wait
+        w._probed(w._probe(group), batch_rate=2.5)
+    assert w._probe_wait == 64  # 32, 64, and no further
+
+
+def test_a_probe_that_beats_the_batch_brings_the_wait_back(tmp_path):
+    """A probe whose drafts yield more than the batched pass (text that repeats) sets the wait back to 8 rounds
+    and that candidate goes first at the next probe; a newcomer to the batch also sets it back to 8."""
+    w, _ = _worker(tmp_path, FakeEngine())
+    a, b = _probe_candidate(), _probe_candidate()
+    w._probe_wait = 64
+    picks = [w._probe([a, b]) for _ in range(8)]  # newcomers: their drafts are measured within 8 rounds
+    assert picks[:7] == [None] * 7 and picks[7] is a
+    a.spec_rate = 3.0
     w._probed(a, batch_rate=2.5)
-    assert a.probe_every == 8
+    assert a.probe_won and w._probe_wait == 8
+    picks = [w._probe([a, b]) for _ in range(8)]
+    assert picks[:7] == [None] * 7 and picks[7] is a  # the winner again, before b who was never probed
+    a.spec_rate = 1.0
+    w._probed(a, batch_rate=2.5)
+    assert w._probe_wait == 16 and not a.probe_won
+    c = _probe_candidate()
+    assert w._probe([a, b, c]) is None and w._probe_wait == 8
 
 
 def test_worker_builds_its_engine_with_the_activation_bits(tmp_path, smollm_path):

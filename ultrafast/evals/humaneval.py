@@ -182,12 +182,15 @@ def run(args) -> int:
             print(f"resuming: {len(done)} records in {out} made with these settings"
                   f"{f', {other} others ignored' if other else ''}", file=sys.stderr)
         client = openai.OpenAI(base_url=base_url, api_key=args.api_key or "local", max_retries=0, timeout=3600)
-        bar = Progress(len(problems), "problems", "problem")
+        todo = sum(any((p["task_id"], tier, n) not in done for tier, n in runs) for p in problems)
+        bar = Progress(todo, "problems", "problem")  # the ones with requests to send (its ETA is theirs)
         try:
             for i, problem in enumerate(problems):
+                sent = False
                 for tier, n in runs:
                     res = done.get((problem["task_id"], tier, n))
                     if res is None:
+                        sent = True
                         res = solve(client, model, problem, tier, n, sandbox, temperature=args.temperature,
                                     top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed + 1000 * i)
                         res.settings = current
@@ -195,7 +198,9 @@ def run(args) -> int:
                         records.flush()
                     results[(tier, n)].append(res)
                 first = results[runs[0]]
-                bar.update(1, solved=f"{sum(r.passed > 0 for r in first)}/{len(first)} ({runs[0][0]} n={runs[0][1]})")
+                if sent:
+                    bar.update(1, solved=f"{sum(r.passed > 0 for r in first)}/{len(first)} ({runs[0][0]} "
+                                         f"n={runs[0][1]})")
         except KeyboardInterrupt:
             print("interrupted: the results so far", file=sys.stderr)
         finally:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from ..server.process import ServeProcess, wait_healthy
+from ..server.process import ServeProcess, sigterm_as_interrupt, wait_healthy
 
 
 def _model(url: str, api_key: str | None) -> str:
@@ -23,12 +23,19 @@ def _model(url: str, api_key: str | None) -> str:
 def served(args, slots: int):
     """(base URL of the OpenAI API, the model's name): `args.url`'s server, or one started for the run from
     `args.model` (`args.max_context`, `args.threads`)."""
-    if args.url:
-        url = args.url.rstrip("/")
-        url = url[:-3] if url.endswith("/v1") else url
-        wait_healthy(url, None, 30)
-        yield url + "/v1", _model(url, args.api_key)
-        return
+    with sigterm_as_interrupt():  # `kill` ends the run as Ctrl-C does: its results so far, the server stopped
+        if args.url:
+            url = args.url.rstrip("/")
+            url = url[:-3] if url.endswith("/v1") else url
+            wait_healthy(url, None, 30)
+            yield url + "/v1", _model(url, args.api_key)
+        else:
+            with _started(args, slots) as got:
+                yield got
+
+
+@contextmanager
+def _started(args, slots: int):
     tmp = Path(tempfile.mkdtemp(prefix="ultrafast-evals-"))
     cmd = ["--model", args.model, "--db", str(tmp / "ledger.db"), "--slots", str(slots),
            "--max-queue", str(max(64, 4 * slots)), "--max-context", str(args.max_context), "--log-level", "warning"]

@@ -281,10 +281,9 @@ def cluster_serve_args(args) -> list[str]:
 
 
 def cmd_cluster_up(args) -> int:
-    import signal
-
     from .cluster import Cluster
     from .db import is_postgres_url
+    from .process import sigterm_as_interrupt
 
     if args.db is not None and not is_postgres_url(args.db):
         raise ValueError("--db: replicas share a PostgreSQL database (a postgresql:// URL); SQLite is one process's")
@@ -292,23 +291,19 @@ def cmd_cluster_up(args) -> int:
     cluster.start(log=sys.stderr)
     print(f"ultrafast cluster: {args.replicas} replicas behind {cluster.url}/v1 (files in {cluster.workdir}); "
           "Ctrl-C stops it", file=sys.stderr)
-    signal.signal(signal.SIGTERM, _interrupt)
     dead: set[int] = set()
     try:
-        while True:  # the balancer routes around a replica that dies; say so once
-            time.sleep(1)
-            for i, r in enumerate(cluster.replicas, 1):
-                if not r.alive() and i not in dead:
-                    dead.add(i)
-                    print(f"replica {i} exited (status {r.proc.returncode}; log {r.log})", file=sys.stderr)
+        with sigterm_as_interrupt():
+            while True:  # the balancer routes around a replica that dies; say so once
+                time.sleep(1)
+                for i, r in enumerate(cluster.replicas, 1):
+                    if not r.alive() and i not in dead:
+                        dead.add(i)
+                        print(f"replica {i} exited (status {r.proc.returncode}; log {r.log})", file=sys.stderr)
     except KeyboardInterrupt:
         return 0
     finally:
         cluster.stop()
-
-
-def _interrupt(*_):
-    raise KeyboardInterrupt
 
 
 def cmd_cluster_haproxy_config(args) -> int:

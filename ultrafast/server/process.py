@@ -9,9 +9,25 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    """Inside: SIGTERM raises KeyboardInterrupt, so `kill` stops a command as Ctrl-C does (its results so far
+    kept, the servers it started stopped). A shell starts a background job with SIGINT ignored, so `kill` is
+    how such a job is stopped. The previous handler comes back after."""
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def free_port() -> int:

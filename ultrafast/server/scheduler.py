@@ -22,6 +22,12 @@ n > 1: the candidates of one prompt share its prefill. The first one is admitted
 prefilled, each sibling copies the prompt's KV rows into its own slot (`dst.k[:, :, :m] = src.k[:, :, :m]`,
 same for v, then `dst.tokens`), so its own prefill is one token.
 
+Ultrafast candidates decode together too, in batched plain passes, while those pay more than their own
+speculative passes (by the engine's measured r(k) and each candidate's measured tokens per step-time): the
+first candidate of such a request prefills and waits for its siblings, and the group batches from the round
+after their prefills. Now and then one candidate speculates alone (a probe) to re-measure its drafts; the
+group probes on one clock that backs off while probes lose to the batch (`_probe`).
+
 Cancellation (a client that went away) closes the candidate's generator at once (the engine keeps the
 cache consistent) and frees its slot. Every request ends in exactly one ledger row: finished, cancelled
 or failed. Results flow to the asyncio side with `loop.call_soon_threadsafe`.
@@ -78,8 +84,10 @@ class Candidate:
     finish_reason: str | None = None
     spec_rate: float = 1.0  # ultrafast: tokens per target step-time of its own passes (EMA) ...
     spec_passes: int = 0  # ... over this many passes
-    batched_rounds: int = 0  # ultrafast: rounds in a batched plain pass since it last speculated alone ...
-    probe_every: int = 0  # ... and how many such rounds until it does again (0: not yet set)
+    batched_rounds: int = 0  # ultrafast: rounds in a batched plain pass since it last speculated alone (a probe)
+    probed: bool = False  # ... whether it has been probed
+    probe_won: bool = False  # ... and whether its last probe's drafts beat the batched pass
+    in_batch_group: bool = False  # ... whether it has joined the batched passes yet
 
     @property
     def logprobs(self) -> bool:
@@ -185,6 +193,8 @@ class ModelWorker:
         self._pending_requests = 0
         self._cancels: list[GenRequest] = []
         self._active: list[Candidate] = []
+        # the batched ultrafast candidates' probes (`_probe`): rounds since the last, and rounds between two
+        self._since_probe, self._probe_wait = 0, self.BATCH_PROBE
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name=f"ultrafast-worker-{name}", daemon=True)
         metrics.slots_total.labels(name).set(slots)
@@ -406,6 +416,12 @@ class ModelWorker:
         together = self._batchable([c for c in ultra if live(c)])
         probe, batch_rate = None, 0.0
         batching = bool(together) and self._batch_pays(together)
+        # Candidates that will batch together from the next round (a request's n candidates in its first
+        # rounds): the fresh ones prefill only, as they do once a batch is running, and those already prefilled
+        # wait for them rather than speculate alone (n = 10: ten candidates' lone passes before the first batch)
+        joinable = [] if batching else self._batchable([c for c in ultra if live(c)], prefilled=False)
+        joining = any(not c.prefilled for c in joinable) and self._batch_pays(joinable)
+        waiting = {id(c) for c in joinable if c.prefilled} if joining else set()
         if batching:
             # now and then one of them speculates alone, so that drafts that start paying (text that repeats)
             # are seen (`_probe`)
@@ -416,12 +432,14 @@ class ModelWorker:
                 self._batched_pass([c for c in group if live(c)])
             ultra = [c for c in ultra if c not in group]
         for c in ultra:
+            if id(c) in waiting:
+                continue
             for _ in range(self.ultrafast_weight):
                 if not live(c):
                     break
                 fresh = not c.prefilled
                 self._step(c)
-                if fresh and batching:
+                if fresh and (batching or joining or self._siblings_to_come(c)):
                     break  # its prefill only: it joins the batched passes next round (not three passes alone)
         if probe is not None:
             self._probed(probe, batch_rate)
@@ -460,23 +478,28 @@ class ModelWorker:
 
     # ---- ultrafast candidates decoding together (n > 1, or several ultrafast requests)
 
-    # batched rounds before a candidate speculates alone again (a probe, re-measuring its drafts): BATCH_PROBE at
-    # first and after a probe whose drafts beat the batched pass, doubled up to BATCH_PROBE_MAX after each one
-    # whose drafts did not (open text: a probe's passes cost its batch mates a round)
+    # batched rounds between two probes of the group (one candidate speculating alone, re-measuring its drafts):
+    # BATCH_PROBE at first, after a newcomer joins and after a probe whose drafts beat the batched pass; doubled
+    # up to BATCH_PROBE_MAX after each one whose drafts did not (open text)
     BATCH_PROBE, BATCH_PROBE_MAX = 8, 64
 
-    def _batchable(self, ultra: list[Candidate]) -> list[Candidate]:
-        """The ultrafast candidates that may join a batched plain pass: prefilled, and reading the same target
-        features (none, or a draft head's: the pass returns those, so a head keeps its context while its
-        candidate steps in the batch). Where candidates read different features, the largest such group."""
+    def _batchable(self, ultra: list[Candidate], prefilled: bool = True) -> list[Candidate]:
+        """The ultrafast candidates that may join a batched plain pass: prefilled (prefilled=False: or about to
+        be), and reading the same target features (none, or a draft head's: the pass returns those, so a head
+        keeps its context while its candidate steps in the batch). Where candidates read different features,
+        the largest such group."""
         if not self._batch or self.fixed_draft_k is not None:  # a fixed draft length: every pass drafts
             return []
         groups: dict[Any, list[Candidate]] = {}
         for c in ultra:
-            if c.prefilled and hasattr(c.gen, "plain_input") and hasattr(c.gen, "stepper"):
+            if (c.prefilled or not prefilled) and hasattr(c.gen, "plain_input") and hasattr(c.gen, "stepper"):
                 groups.setdefault(_hidden_spec(c), []).append(c)
         out = max(groups.values(), key=len, default=[])
         return out if len(out) > 1 else []
+
+    def _siblings_to_come(self, c: Candidate) -> bool:
+        """Whether c's request still has candidates waiting for c's prefill (n > 1), which may batch with it."""
+        return bool(self._batch) and any(x.state == "pending" for x in c.req.candidates)
 
     def _batch_rate(self, group: list[Candidate]) -> float:
         """Tokens per step-time of one batched plain pass for the group, by the engine's measured r(k): m rows in
@@ -495,23 +518,27 @@ class ModelWorker:
         return self._batch_rate(group) > 1.05 * (sum(rates) / len(rates) if rates else 1.0)
 
     def _probe(self, together: list[Candidate]) -> Candidate | None:
-        """Count a batched round for each candidate; the one (longest waiting first) whose probe is due, if any."""
-        due = None
+        """Count a batched round; when the group's probe is due, the candidate to probe: one whose last probe
+        beat the batched pass (its drafts may still pay), else one never probed, else the one waiting longest.
+        A probe's passes hold up every batch mate, so the group probes on one clock, not each candidate on its
+        own: the n candidates of a request all fell due in the same round and probed in n rounds in a row (on
+        the 1.5B, n = 10 took 1.05x the standard tier's wall-clock)."""
         for c in together:
-            c.probe_every = c.probe_every or self.BATCH_PROBE
             c.batched_rounds += 1
-            if c.batched_rounds >= c.probe_every and (due is None or c.batched_rounds > due.batched_rounds):
-                due = c
-        return due
+            if not c.in_batch_group:  # a newcomer: its drafts are measured within BATCH_PROBE rounds
+                c.in_batch_group = True
+                self._probe_wait = min(self._probe_wait, self.BATCH_PROBE)
+        self._since_probe += 1
+        if self._since_probe < self._probe_wait:
+            return None
+        return max(together, key=lambda c: (c.probe_won, not c.probed, c.batched_rounds))
 
     def _probed(self, c: Candidate, batch_rate: float) -> None:
-        """After c's probe: wait twice as long for the next while its drafts yield less than the batched pass
-        (up to BATCH_PROBE_MAX rounds), BATCH_PROBE again once they yield more."""
-        c.batched_rounds = 0
-        if c.spec_rate * 1.05 < batch_rate:
-            c.probe_every = min(self.BATCH_PROBE_MAX, 2 * c.probe_every)
-        else:
-            c.probe_every = self.BATCH_PROBE
+        """After c's probe: the group waits twice as long for the next while probes yield less than the batched
+        pass (up to BATCH_PROBE_MAX rounds), BATCH_PROBE again once one yields more."""
+        c.batched_rounds, c.probed, self._since_probe = 0, True, 0
+        c.probe_won = c.spec_rate * 1.05 >= batch_rate
+        self._probe_wait = self.BATCH_PROBE if c.probe_won else min(self.BATCH_PROBE_MAX, 2 * self._probe_wait)
 
     def _step(self, c: Candidate, logits=None, features=None) -> None:
         """Prefill c, or advance it one pass (its own, or its row of a batched pass, with the row's features
