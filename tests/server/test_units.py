@@ -714,7 +714,7 @@ def test_a_requests_ultrafast_candidates_prefill_then_batch(tmp_path):
 
 
 def _probe_candidate():
-    return mock.Mock(batched_rounds=0, probed=False, probe_won=False, in_batch_group=False, spec_rate=1.0)
+    return mock.Mock(batched_rounds=0, probed=False, probe_won=False, spec_rate=1.0)
 
 
 def test_batched_candidates_probe_on_one_clock_that_backs_off(tmp_path):

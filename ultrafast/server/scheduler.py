@@ -87,7 +87,6 @@ class Candidate:
     batched_rounds: int = 0  # ultrafast: rounds in a batched plain pass since it last speculated alone (a probe)
     probed: bool = False  # ... whether it has been probed
     probe_won: bool = False  # ... and whether its last probe's drafts beat the batched pass
-    in_batch_group: bool = False  # ... whether it has joined the batched passes yet
 
     @property
     def logprobs(self) -> bool:
@@ -413,13 +412,14 @@ class ModelWorker:
     def _round(self) -> None:
         live = lambda c: c.state == "active" and not c.req.cancelled  # noqa: E731
         ultra = [c for c in self._active if c.req.tier == "ultrafast"]
-        together = self._batchable([c for c in ultra if live(c)])
+        ultra_live = [c for c in ultra if live(c)]
+        together = self._batchable(ultra_live)
         probe, batch_rate = None, 0.0
         batching = bool(together) and self._batch_pays(together)
         # Candidates that will batch together from the next round (a request's n candidates in its first
         # rounds): the fresh ones prefill only, as they do once a batch is running, and those already prefilled
         # wait for them rather than speculate alone (n = 10: ten candidates' lone passes before the first batch)
-        joinable = [] if batching else self._batchable([c for c in ultra if live(c)], prefilled=False)
+        joinable = [] if batching else self._batchable(ultra_live, prefilled=False)
         joining = any(not c.prefilled for c in joinable) and self._batch_pays(joinable)
         waiting = {id(c) for c in joinable if c.prefilled} if joining else set()
         if batching:
@@ -499,7 +499,7 @@ class ModelWorker:
 
     def _siblings_to_come(self, c: Candidate) -> bool:
         """Whether c's request still has candidates waiting for c's prefill (n > 1), which may batch with it."""
-        return bool(self._batch) and any(x.state == "pending" for x in c.req.candidates)
+        return self._batch and any(x.state == "pending" for x in c.req.candidates)
 
     def _batch_rate(self, group: list[Candidate]) -> float:
         """Tokens per step-time of one batched plain pass for the group, by the engine's measured r(k): m rows in
@@ -524,10 +524,9 @@ class ModelWorker:
         own: the n candidates of a request all fell due in the same round and probed in n rounds in a row (on
         the 1.5B, n = 10 took 1.05x the standard tier's wall-clock)."""
         for c in together:
-            c.batched_rounds += 1
-            if not c.in_batch_group:  # a newcomer: its drafts are measured within BATCH_PROBE rounds
-                c.in_batch_group = True
+            if c.batched_rounds == 0 and not c.probed:  # a newcomer: its drafts measured within BATCH_PROBE rounds
                 self._probe_wait = min(self._probe_wait, self.BATCH_PROBE)
+            c.batched_rounds += 1
         self._since_probe += 1
         if self._since_probe < self._probe_wait:
             return None
