@@ -61,11 +61,15 @@ def test_a_small_run_through_the_server(tmp_path, smollm_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 8 and all(len(r["statuses"]) == r["n"] for r in records)
     assert all(r["completion_tokens"] > 0 and r["generation_s"] > 0 for r in records)
+    # each candidate's tokens, from the server's time_info, add up to the request's
+    assert all(len(r["candidate_tokens"]) == r["n"] and sum(r["candidate_tokens"]) == r["completion_tokens"]
+               for r in records)
     # problem by problem: each problem's four runs back to back
     assert [(r["task_id"], r["tier"], r["n"]) for r in records[:4]] == [
         ("HumanEval/0", "standard", 3), ("HumanEval/0", "standard", 1), ("HumanEval/0", "ultrafast", 3),
         ("HumanEval/0", "ultrafast", 1)]
     assert "| standard | 3 | 2 |" in p.stdout and "wall-clock of n = 1" in p.stdout
+    assert "on the 2 problems with each candidate's tokens" in p.stdout
     png = summary.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
@@ -99,6 +103,23 @@ def test_resume_takes_only_records_made_with_the_same_settings(tmp_path):
     assert list(done) == [("HumanEval/0", "standard", 10)] and done[("HumanEval/0", "standard", 10)] == rows[0]
     assert ignored == 3
     assert resumable(tmp_path / "absent.jsonl", mine) == ({}, 0)
+
+
+def test_length_split_parts_the_wall_clock_ratio():
+    from ultrafast.evals.humaneval import ProblemResult, length_split
+
+    def rec(task, n, seconds, tokens, candidates=()):
+        return ProblemResult(task, "standard", n, 0, None, seconds, 0.0, tokens, 10,
+                             candidate_tokens=list(candidates))
+
+    # problem 0: the longest of three ran 100 passes in 20 s; n = 1 made 50 tokens in 5 s
+    # problem 1: an old record without the counts is left out of both sums
+    many = [rec("HumanEval/0", 3, 20.0, 180, (40, 100, 40)), rec("HumanEval/1", 3, 9.0, 90)]
+    one = [rec("HumanEval/0", 1, 5.0, 50, (50,)), rec("HumanEval/1", 1, 3.0, 30, (30,))]
+    problems, L, S = length_split(many, one)
+    assert problems == 1 and L == pytest.approx(2.0) and S == pytest.approx((20.0 / 100) / (5.0 / 50))
+    assert L * S == pytest.approx(20.0 / 5.0)  # the wall-clock ratio on those problems
+    assert length_split(many[1:], one[1:]) is None
 
 
 def test_bad_n_is_an_error_line():

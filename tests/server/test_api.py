@@ -220,6 +220,8 @@ def test_n3_prefills_once(env):
     single = chat(env, messages=msgs, max_tokens=1)
     assert r.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
     assert r.usage.completion_tokens == row["completion_tokens"] <= 36
+    per_choice = r.model_extra["time_info"]["choice_tokens"]  # each choice's tokens, in index order
+    assert len(per_choice) == 3 and sum(per_choice) == r.usage.completion_tokens and min(per_choice) >= 1
     # the two siblings copied the prompt's rows instead of prefilling (2 slots: at least one at once)
     assert _metric(env, "ultrafast_shared_prefill_tokens_total") > shared0
     # same seeds: reproducible, streaming included

@@ -82,6 +82,7 @@ class ProblemResult:
     statuses: list[str] = field(default_factory=list)
     decode_tokens_per_s: list[float] = field(default_factory=list)  # the server's time_info (first candidate)
     settings: dict = field(default_factory=dict)  # what the request ran under (`settings`): --resume matches it
+    candidate_tokens: list[int] = field(default_factory=list)  # each candidate's completion tokens (time_info)
 
 
 @dataclass
@@ -125,7 +126,24 @@ def solve(client, model: str, problem: dict, tier: str, n: int, sandbox: Sandbox
     info = (r.model_extra or {}).get("time_info") or {}
     rate = info.get("decode_tokens_per_s")
     return ProblemResult(problem["task_id"], tier, n, passed, first, gen, ex, r.usage.completion_tokens,
-                         r.usage.prompt_tokens, statuses, [rate] if rate else [])
+                         r.usage.prompt_tokens, statuses, [rate] if rate else [],
+                         candidate_tokens=list(info.get("choice_tokens") or []))
+
+
+def length_split(many: list[ProblemResult], one: list[ProblemResult]) -> tuple[int, float, float] | None:
+    """Where n = N's wall-clock against n = 1's goes, over the problems whose n = N record has each candidate's
+    tokens: (problems, L, S) with L = the longest candidate's tokens / n = 1's tokens (the passes n = N must
+    make one after the other, against n = 1's) and S = seconds per such pass at n = N / seconds per token at
+    n = 1 (what a pass over up to N rows costs against a pass over one). L * S is the wall-clock ratio on those
+    problems. None when no problem has the counts."""
+    pairs = [(a, b) for a, b in zip(many, one) if a.candidate_tokens and a.task_id == b.task_id]
+    longest = sum(max(a.candidate_tokens) for a, _ in pairs)
+    single = sum(b.completion_tokens for _, b in pairs)
+    if not pairs or not longest or not single:
+        return None
+    t_many = sum(a.generation_s for a, _ in pairs)
+    t_one = sum(b.generation_s for _, b in pairs)
+    return len(pairs), longest / single, (t_many / longest) / (t_one / single)
 
 
 def settings(args, model: str) -> dict:
@@ -207,11 +225,13 @@ def run(args) -> int:
             bar.close()
             # the problems every run reached (an interrupted problem's earlier runs are left out of the summary)
             k = min(len(v) for v in results.values())
-            _report([Summary.of(tier, n, results[(tier, n)][:k]) for tier, n in runs if k], args)
+            _report([Summary.of(tier, n, results[(tier, n)][:k]) for tier, n in runs if k], args,
+                    {tier: length_split(results[(tier, args.n)][:k], results[(tier, 1)][:k])
+                     for tier in tiers if k and args.baseline and args.n != 1})
     return 0
 
 
-def _report(summaries: list[Summary], args) -> None:
+def _report(summaries: list[Summary], args, splits: dict | None = None) -> None:
     if not summaries:
         return
     print(f"\n| tier | n | problems | pass@1 | best-of-n solved | generation wall-clock (s) | per problem (s) | "
@@ -227,6 +247,11 @@ def _report(summaries: list[Summary], args) -> None:
         if a and b and a.problems == b.problems and args.n != 1:
             print(f"{tier}: n = {args.n} took {a.generation_s / b.generation_s:.2f}x the wall-clock of n = 1 "
                   f"(goal: at most 2x)")
+            split = (splits or {}).get(tier)
+            if split:
+                p, L, S = split
+                print(f"  on the {p} problems with each candidate's tokens: {L * S:.2f}x = the longest candidate's "
+                      f"tokens, {L:.2f}x n = 1's, x the time per token along it, {S:.2f}x n = 1's")
     a, b = by.get(("ultrafast", args.n)), by.get(("standard", args.n))
     if a and b and a.problems == b.problems:
         print(f"n = {args.n}: the ultrafast tier's wall-clock / the standard tier's = "

@@ -207,6 +207,8 @@ class TimeInfo(BaseModel):
     tau: Optional[float] = Field(None, description="ultrafast: tokens per pass over the weights")
     drafters: Optional[dict[str, dict]] = Field(
         None, description="ultrafast: per drafter, its passes, drafted and accepted tokens (the first choice's)")
+    choice_tokens: Optional[list[int]] = Field(
+        None, description="completion tokens of each choice, in index order (n > 1: the longest sets the wall-clock)")
 
 
 class TopLogprob(BaseModel):

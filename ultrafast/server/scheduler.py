@@ -719,6 +719,8 @@ class ModelWorker:
                 "decode_tokens_per_s": round(decode_tps, 2) if decode_tps is not None else None,
                 "tau": tau,
                 "drafters": first.spec.get("drafters") if tau is not None else None,
+                "choice_tokens": [c.result.completion_tokens if c.result is not None else c.events
+                                  for c in sorted(req.candidates, key=lambda c: c.index)],
             },
         }
         req.emit(("done", summary, fut))
