@@ -231,7 +231,7 @@ def run(args) -> int:
     return 0
 
 
-def _report(summaries: list[Summary], args, splits: dict | None = None) -> None:
+def _report(summaries: list[Summary], args, splits: dict) -> None:
     if not summaries:
         return
     print(f"\n| tier | n | problems | pass@1 | best-of-n solved | generation wall-clock (s) | per problem (s) | "
@@ -247,7 +247,7 @@ def _report(summaries: list[Summary], args, splits: dict | None = None) -> None:
         if a and b and a.problems == b.problems and args.n != 1:
             print(f"{tier}: n = {args.n} took {a.generation_s / b.generation_s:.2f}x the wall-clock of n = 1 "
                   f"(goal: at most 2x)")
-            split = (splits or {}).get(tier)
+            split = splits.get(tier)
             if split:
                 p, L, S = split
                 print(f"  on the {p} problems with each candidate's tokens: {L * S:.2f}x = the longest candidate's "

@@ -92,6 +92,11 @@ class Candidate:
     def logprobs(self) -> bool:
         return self.params.logprobs is not None
 
+    @property
+    def completion_tokens(self) -> int:
+        """Its tokens to bill: the sampled ones once finished, the delivered ones before."""
+        return self.result.completion_tokens if self.result is not None else self.events
+
 
 @dataclass
 class GenRequest:
@@ -641,7 +646,7 @@ class ModelWorker:
 
     def _completion_tokens(self, req: GenRequest) -> int:
         """Completion tokens to bill: a finished candidate's sampled tokens, the others' delivered ones."""
-        return sum(c.result.completion_tokens if c.result is not None else c.events for c in req.candidates)
+        return sum(c.completion_tokens for c in req.candidates)
 
     def _ledger_row(self, req: GenRequest, status: str, completion: int, now: float) -> LedgerRow:
         groups = {}
@@ -719,8 +724,7 @@ class ModelWorker:
                 "decode_tokens_per_s": round(decode_tps, 2) if decode_tps is not None else None,
                 "tau": tau,
                 "drafters": first.spec.get("drafters") if tau is not None else None,
-                "choice_tokens": [c.result.completion_tokens if c.result is not None else c.events
-                                  for c in sorted(req.candidates, key=lambda c: c.index)],
+                "choice_tokens": [c.completion_tokens for c in sorted(req.candidates, key=lambda c: c.index)],
             },
         }
         req.emit(("done", summary, fut))
