@@ -19,11 +19,13 @@
 // (Q4_K, the 8 sub-blocks of a super-block in one vector op).
 // The only approximation is the int16 rounding of x (relative error ~1e-5 of sum |x*w| at worst).
 //
-// Lane layout. A "group" is 128 values: 4 blocks of 32 (Q6_K: 8 scale groups of 16, see KQ6K). Its weights
-// are decoded into 2 byte vectors in which 128-bit lane i holds values of block bm(i) only, so after the
-// dot products int32 lanes 4i..4i+3 hold partial sums of block bm(i) (Q6_K: lanes 4i, 4i+1 and 4i+2, 4i+3
-// two scale groups). The activation prep writes xh and xl in exactly that order, with per-lane vectors of
-// s_b, the integer offsets (one lane per block) and s_b * xsum_b (lane 4i only; Q4_K: see KQ4K).
+// Lane layout. A "group" is the values one fp step covers: 128 values, 4 blocks of 32 (Q6_K: 8 scale groups
+// of 16, see KQ6K; Q4_K: a super-block of 256, 8 blocks of 32, see KQ4K). Its weights are decoded into NVEC
+// byte vectors (2; Q4_K 4) in which each int32 lane only ever holds values of one block, so after the dot
+// products int32 lanes 4i..4i+3 hold partial sums of block bm(i) (Q6_K: lanes 4i, 4i+1 and 4i+2, 4i+3 two
+// scale groups; Q4_K: lanes 2m, 2m+1 sub-block sb(m)). The activation prep writes xh and xl in exactly that
+// order, with per-lane vectors of s_b, the integer offsets (one lane per block) and s_b * xsum_b (one lane
+// per block).
 //
 // Batch invariance: every output y[r][n] is one fixed sequence of operations that depends only on
 // (qtype, K, weight row n, activation row r): per group the integer dot products (exact, in any order),
@@ -86,15 +88,17 @@ UF_INLINE __m512 spread4(__m128 v) {
 
 // Per-row, per-group activation data (layout written by prep, read by the kernels).
 //   xh[v], xl[v]: the int16 x of byte position j of weight vector v, split as x = 256 * xh + xl (both signed
-//   bytes); s: s_b on lanes 4i..4i+3; ioff: integer offset on lane 4i (0 elsewhere); xsf: s_b * xsum_b on
-//   lane 4i (0 elsewhere).
-struct XG {
-  __m512i xh[2];
-  __m512i xl[2];
+//   bytes); s: s_b on the lanes of block b; ioff: integer offset on the block's first lane (0 elsewhere);
+//   xsf: s_b * xsum_b on the block's first lane (0 elsewhere).
+template <int NVEC>
+struct XGN {
+  __m512i xh[NVEC];
+  __m512i xl[NVEC];
   __m512 s;
   __m512i ioff;
   __m512 xsf;
 };
+using XG = XGN<2>;
 
 // x = 256 * hi + lo with hi, lo signed bytes (|x| <= 32639 = 127 * 257).
 UF_INLINE int8_t x_hi(int v) { return (int8_t)((v + 128) >> 8); }
@@ -163,7 +167,7 @@ inline constexpr WIdx<BB, OFF, SHIFT> kWIdx{};
 template <int QT>
 struct K32 {
   static constexpr int BB = QT == QT_Q4_0 ? 18 : QT == QT_Q4_1 ? 20 : QT == QT_Q5_0 ? 22 : 34;
-  static constexpr int GV = 128, GPK = 1, KB = 128, KBYTES = 4 * BB, UNIT = 32, UNIT_BYTES = BB;
+  static constexpr int NVEC = 2, GV = 128, GPK = 1, KB = 128, KBYTES = 4 * BB, UNIT = 32, UNIT_BYTES = BB;
   // Q8_0's signed weights are multiplied as unsigned q + 128 (vpdpbusd's unsigned operand): -128 * xsum
   static constexpr int IOFF = QT == QT_Q4_0 ? -8 : QT == QT_Q5_0 ? -16 : QT == QT_Q8_0 ? -128 : 0;
   static constexpr int MINS = QT == QT_Q4_1 ? 1 : 0;
@@ -217,14 +221,19 @@ struct K32 {
   }
 };
 
-// Q4_K: kernel block = super-block of 256 (144 bytes) = 2 groups of 4 sub-blocks of 32.
+// Q4_K: kernel block = group = super-block of 256 (144 bytes): 8 sub-blocks of 32, two int32 lanes each.
+// Its 4 weight vectors W[v] hold in 64-bit lane m the values 8v..8v+7 of sub-block sb(m), sb = 0,2,4,6,1,3,5,7
+// (one permute of the raw bytes and one 128-bit shuffle per two vectors from the file's nibble order), so after
+// the 8 dot products of a super-block every int32 lane holds 16 values of one sub-block, and one fp step
+// (convert, d_w * s_b, fma) covers 256 values, half as many as with one lane group per block of a 128-value
+// group.
 struct KQ4K {
-  static constexpr int GV = 128, GPK = 2, KB = 256, KBYTES = 144, UNIT = 256, UNIT_BYTES = 144;
-  // mins once per super-block: ctx.dm's lanes 8..15 (dmin*m of sub-blocks 0..7) against the x vector xsf
-  // of the super-block's first group, whose lanes 8..15 hold s_b * xsum_b of its 8 blocks (0..7: zero)
+  static constexpr int NVEC = 4, GV = 256, GPK = 1, KB = 256, KBYTES = 144, UNIT = 256, UNIT_BYTES = 144;
+  // mins once per super-block: ctx.m (dmin * m of sub-block sb(m) on lanes 2m, 2m + 1) against the x vector
+  // xsf (s_b * xsum_b on lane 2m, 0 on 2m + 1)
   static constexpr int IOFF = 0, MINS = -1;
-  using X = XG;
-  static UF_INLINE int bm(int i) { return i == 1 ? 2 : (i == 2 ? 1 : i); }  // lanes hold sub-blocks 0,2,1,3
+  using X = XGN<4>;
+  static UF_INLINE int sb(int m) { return m < 4 ? 2 * m : 2 * (m - 4) + 1; }
   static UF_INLINE __m512 scales(const uint8_t* p) {
     // the 12 bytes of 6-bit scales/mins as 32-bit words s0, s1, s2 (ggml's get_scale_min_k4, 4 at a time):
     //   sc0..3 = s0 & 63, m0..3 = s1 & 63, sc4..7 = (s2 & 15) | (s0 >> 6) << 4, m4..7 = (s2 >> 4) | (s1 >> 6) << 4
@@ -241,22 +250,30 @@ struct KQ4K {
     return _mm512_mul_ps(sm, dd);  // [d*sc0..7, dmin*m0..7], as ggml
   }
   struct Ctx {
-    __m512 dm;
+    __m512 d, m;
   };
-  static UF_INLINE Ctx context(const uint8_t* p) { return {scales(p)}; }  // once per super-block
-  static UF_INLINE void decode(const uint8_t* p, int c, const Ctx& ctx, __m512i* W, __m512& dvec, __m512& mvec) {
-    const __m512 dm = ctx.dm;
-    const int b = 4 * c;
-    dvec = _mm512_permutexvar_ps(_mm512_setr_epi32(b, b, b, b, b + 2, b + 2, b + 2, b + 2, b + 1, b + 1, b + 1, b + 1,
-                                                   b + 3, b + 3, b + 3, b + 3),
-                                 dm);
+  static UF_INLINE Ctx context(const uint8_t* p) {
+    const __m512 dm = scales(p);
+    return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 1, 1, 3, 3, 5, 5, 7, 7), dm),
+            _mm512_permutexvar_ps(_mm512_setr_epi32(8, 8, 10, 10, 12, 12, 14, 14, 9, 9, 11, 11, 13, 13, 15, 15), dm)};
+  }
+  static UF_INLINE void decode(const uint8_t* p, int, const Ctx& ctx, __m512i* W, __m512& dvec, __m512& mvec) {
+    dvec = ctx.d;
     mvec = _mm512_setzero_ps();  // unused: the mins go once per super-block
+    // qs byte 32c + i: sub-block 2c's value i (low nibble), 2c + 1's (high nibble)
+    const __m512i Q0 = _mm512_loadu_si512(p + 16), Q1 = _mm512_loadu_si512(p + 80);
     const __m512i m0f = _mm512_set1_epi8(0x0F);
-    const __m512i Q = _mm512_loadu_si512(p + 16 + 64 * c);
-    const __m512i L = _mm512_and_si512(Q, m0f);
-    const __m512i H = _mm512_and_si512(_mm512_srli_epi16(Q, 4), m0f);
-    W[0] = _mm512_shuffle_i64x2(L, H, _MM_SHUFFLE(2, 0, 2, 0));  // values 0..15 of sb 0,2,1,3
-    W[1] = _mm512_shuffle_i64x2(L, H, _MM_SHUFFLE(3, 1, 3, 1));  // values 16..31
+
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      // 64-bit lanes: bytes 8(2h)..+7 of the 4 chunks, then bytes 8(2h+1)..+7
+      const __m512i T = _mm512_permutex2var_epi64(
+          Q0, h ? _mm512_setr_epi64(2, 6, 10, 14, 3, 7, 11, 15) : _mm512_setr_epi64(0, 4, 8, 12, 1, 5, 9, 13), Q1);
+      const __m512i L = _mm512_and_si512(T, m0f);                       // sub-blocks 0,2,4,6
+      const __m512i H = _mm512_and_si512(_mm512_srli_epi16(T, 4), m0f);  // sub-blocks 1,3,5,7
+      W[2 * h] = _mm512_shuffle_i64x2(L, H, _MM_SHUFFLE(1, 0, 1, 0));      // values 16h..16h+7
+      W[2 * h + 1] = _mm512_shuffle_i64x2(L, H, _MM_SHUFFLE(3, 2, 3, 2));  // values 16h+8..16h+15
+    }
   }
 };
 
@@ -265,7 +282,7 @@ struct KQ4K {
 // (A: group i, B: group 4+i); interleaving their 64-bit pieces gives vectors whose int32 lanes 4i, 4i+1
 // belong to group i and 4i+2, 4i+3 to group 4+i, so one int32 accumulator covers all 8 groups of the half.
 struct KQ6K {
-  static constexpr int GV = 128, GPK = 2, KB = 256, KBYTES = 210, UNIT = 256, UNIT_BYTES = 210;
+  static constexpr int NVEC = 2, GV = 128, GPK = 2, KB = 256, KBYTES = 210, UNIT = 256, UNIT_BYTES = 210;
   static constexpr int IOFF = -32, MINS = 0;
   using X = XG;
   struct Ctx {
@@ -325,11 +342,6 @@ void prep_row32(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1)
       }
       io[4 * i] = T::IOFF * sum;
       xsf[4 * i] = sb * (float)sum;
-      if constexpr (T::MINS < 0) {  // lane 8 + (block within its super-block) of the super-block's first group
-        float* sf = reinterpret_cast<float*>(&reinterpret_cast<XG*>(out + (G & ~(int64_t)1) * sizeof(XG))->xsf);
-        sf[8 + 4 * (G & 1) + T::bm(i)] = sb * (float)sum;
-        if ((G & 1) == 0) sf[2 * i] = sf[2 * i + 1] = 0.0f;
-      }
     }
     for (int v = 0; v < 2; ++v) {
       g->xh[v] = _mm512_load_si512(xh[v]);
@@ -337,7 +349,41 @@ void prep_row32(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1)
     }
     g->s = _mm512_load_ps(s);
     g->ioff = _mm512_load_si512(io);
-    if constexpr (T::MINS >= 0) g->xsf = _mm512_load_ps(xsf);
+    g->xsf = _mm512_load_ps(xsf);
+  }
+}
+
+// Q4_K: group S is super-block S. Vector v, 64-bit lane m, byte j holds value 8v + j of sub-block KQ4K::sb(m);
+// s_b on lanes 2m, 2m + 1; s_b * xsum_b on lane 2m (0 on 2m + 1).
+template <bool X8>
+void prep_row_q4k(const float* x, uint8_t* out, int64_t S0, int64_t S1) {
+  for (int64_t S = S0; S < S1; ++S) {
+    XGN<4>* g = reinterpret_cast<XGN<4>*>(out + S * sizeof(XGN<4>));
+    int16_t q[256];
+    float sb[8];
+    int32_t sum[8];
+    for (int b = 0; b < 8; ++b) sb[b] = quant32<X8>(x + 256 * S + 32 * b, q + 32 * b, &sum[b]);
+    alignas(64) int8_t xh[4][64], xl[4][64];
+    alignas(64) float s[16], xsf[16];
+    for (int m = 0; m < 8; ++m) {
+      const int b = KQ4K::sb(m);
+      for (int v = 0; v < 4; ++v)
+        for (int j = 0; j < 8; ++j) {
+          const int val = q[32 * b + 8 * v + j];
+          xh[v][8 * m + j] = X8 ? (int8_t)val : x_hi(val);
+          xl[v][8 * m + j] = X8 ? 0 : x_lo(val);
+        }
+      s[2 * m] = s[2 * m + 1] = sb[b];
+      xsf[2 * m] = sb[b] * (float)sum[b];
+      xsf[2 * m + 1] = 0.0f;
+    }
+    for (int v = 0; v < 4; ++v) {
+      g->xh[v] = _mm512_load_si512(xh[v]);
+      g->xl[v] = _mm512_load_si512(xl[v]);
+    }
+    g->s = _mm512_load_ps(s);
+    g->ioff = _mm512_setzero_si512();
+    g->xsf = _mm512_load_ps(xsf);
   }
 }
 
@@ -414,9 +460,15 @@ constexpr int64_t WHOLE_ROWS_X = 768 * 1024;
 constexpr int64_t PF_NEAR = 2048, PF_FAR = 12288, PF_FAR_MIN = 512 * 1024;
 
 // One kernel block of NW weight rows (row w at p + w * rb) against R activation rows. acc[w * R + r].
-// Per output the operations are, per group: the integer dot products (exact), one convert, one mul
-// (d_w * s), one fma into its accumulator; (Q4_1) one fma for the mins; (Q4_K) after the block one fnmadd
-// for its mins. The same for every NW and R.
+// Per output the operations are, per group: the integer dot products (exact, in any order), one convert,
+// one mul (d_w * s), one fma into its accumulator; (Q4_1) one fma for the mins; (Q4_K) after the block one
+// fnmadd for its mins. The same for every NW and R.
+// Per activation row the integer products run as two chains per weight row, one for x's high bytes and one
+// for its low bytes, joined as (hi << 8) + lo: half the dependency chain of hi, shift, lo in one, and each x
+// vector is loaded once into a register for the NW weight rows (one live at a time). Measured against the
+// single chain with the x vectors of a group pinned (1 thread, weights from memory, ns per 128-value product
+// at k = 1 / 4 / 16): Q6_K 1536 x 8960 4.22 / 3.06 / 2.69 -> 4.18 / 2.73 / 2.63; Q8_0 1536 x 576
+// 11.57 / 4.77 / 4.90 -> 9.99 / 4.39 / 4.35.
 template <class T, int NW, int R, bool X8>
 UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t ldx, __m512* acc) {
   using X = typename T::X;
@@ -425,41 +477,42 @@ UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t l
   for (int w = 0; w < NW; ++w) ctx[w] = T::context(p + w * rb);
 #pragma GCC unroll 4
   for (int g = 0; g < T::GPK; ++g) {
-    __m512i W[NW][2];
+    __m512i W[NW][T::NVEC];
     __m512 dvec[NW], mvec[NW];
 #pragma GCC unroll 4
     for (int w = 0; w < NW; ++w) T::decode(p + w * rb, g, ctx[w], W[w], dvec[w], mvec[w]);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const X* xr = reinterpret_cast<const X*>(xg + r * ldx) + g;
-      __m512i xh0 = xr->xh[0], xh1 = xr->xh[1];
-      __m512i xl0, xl1, io;
-      if constexpr (!X8) xl0 = xr->xl[0], xl1 = xr->xl[1];
-      if constexpr (T::IOFF != 0) io = xr->ioff;
-      __m512 s = xr->s;
-      if constexpr (NW > 1 && R > 1 && T::IOFF == 0) {
-        // Loaded once into registers for the NW weight rows: left to itself the compiler folds the loads into
-        // each vpdpbusd / vmulps, reading every x vector NW times. No arithmetic changes. Measured on the
-        // 1.5B's Q4_K shapes, 2 threads, k = 4 and 8: ~10% less time. Not for the types with an integer
-        // offset (one more x vector, and Q6_K's decode needs more registers): the Q6_K down projection ran
-        // 8-10% slower pinned.
-        __asm__("" : "+v"(xh0), "+v"(xh1), "+v"(s));
-        if constexpr (!X8) __asm__("" : "+v"(xl0), "+v"(xl1));
+      // each x vector loaded once into a register for the NW weight rows (one live at a time)
+      __m512i ia[NW], il[NW];
+#pragma GCC unroll 8
+      for (int v = 0; v < T::NVEC; ++v) {
+        __m512i xv = xr->xh[v];
+        if constexpr (NW > 1) __asm__("" : "+v"(xv));
+#pragma GCC unroll 4
+        for (int w = 0; w < NW; ++w)
+          ia[w] = _mm512_dpbusd_epi32(v == 0 ? _mm512_setzero_si512() : ia[w], W[w][v], xv);
+        if constexpr (!X8) {
+          __m512i xw = xr->xl[v];
+          if constexpr (NW > 1) __asm__("" : "+v"(xw));
+#pragma GCC unroll 4
+          for (int w = 0; w < NW; ++w)
+            il[w] = _mm512_dpbusd_epi32(v == 0 ? _mm512_setzero_si512() : il[w], W[w][v], xw);
+        }
       }
+      if constexpr (!X8) {
+#pragma GCC unroll 4
+        for (int w = 0; w < NW; ++w) ia[w] = _mm512_add_epi32(_mm512_slli_epi32(ia[w], 8), il[w]);
+      }
+      __m512 s = xr->s;
+      if constexpr (NW > 1) __asm__("" : "+v"(s));
 #pragma GCC unroll 4
       for (int w = 0; w < NW; ++w) {
-        // q.x = 256 * (q.xh) + q.xl (+ the integer offset): exact in int32; int8 x: q.x (+ the offset)
-        __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[w][0], xh0);
-        ia = _mm512_dpbusd_epi32(ia, W[w][1], xh1);
-        if constexpr (!X8) ia = _mm512_slli_epi32(ia, 8);
-        if constexpr (T::IOFF != 0) ia = _mm512_add_epi32(ia, io);
-        if constexpr (!X8) {
-          ia = _mm512_dpbusd_epi32(ia, W[w][0], xl0);
-          ia = _mm512_dpbusd_epi32(ia, W[w][1], xl1);
-        }
+        if constexpr (T::IOFF != 0) ia[w] = _mm512_add_epi32(ia[w], xr->ioff);
         const __m512 t = _mm512_mul_ps(dvec[w], s);
         __m512& a = acc[w * R + r];
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), t, a);
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[w]), t, a);
         if constexpr (T::MINS > 0) a = _mm512_fmadd_ps(mvec[w], xr->xsf, a);
       }
     }
@@ -471,7 +524,7 @@ UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t l
 #pragma GCC unroll 4
       for (int w = 0; w < NW; ++w) {
         __m512& a = acc[w * R + r];
-        a = _mm512_fnmadd_ps(ctx[w].dm, xsf, a);
+        a = _mm512_fnmadd_ps(ctx[w].m, xsf, a);
       }
     }
   }
@@ -635,14 +688,14 @@ int64_t qmm_prep_bytes_vnni(int qtype, int64_t K) {
 }
 
 int64_t qmm_prep_units_vnni(int qtype, int64_t K) {
-  return qtype == QT_Q6_K ? K / 128 : (K / 32 + 3) / 4;
+  return qtype == QT_Q6_K ? K / 128 : qtype == QT_Q4_K ? K / 256 : (K / 32 + 3) / 4;
 }
 
 template <bool X8>
 void prep_range(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1) {
   switch (qtype) {
     case QT_Q6_K: prep_row_q6k<X8>(x, xg, G0, G1); break;
-    case QT_Q4_K: prep_row32<KQ4K, X8>(x, K, xg, G0, G1); break;
+    case QT_Q4_K: prep_row_q4k<X8>(x, xg, G0, G1); break;
     case QT_Q4_0: prep_row32<K32<QT_Q4_0>, X8>(x, K, xg, G0, G1); break;
     case QT_Q4_1: prep_row32<K32<QT_Q4_1>, X8>(x, K, xg, G0, G1); break;
     case QT_Q5_0: prep_row32<K32<QT_Q5_0>, X8>(x, K, xg, G0, G1); break;
