@@ -277,41 +277,49 @@ struct KQ4K {
   }
 };
 
-// Q6_K: kernel block = super-block of 256 (210 bytes) = 2 groups of 128 values (one half each: 8 scale groups
-// of 16). In a half, byte vectors A (values 0..63) and B (64..127) hold one scale group per 128-bit lane i
-// (A: group i, B: group 4+i); interleaving their 64-bit pieces gives vectors whose int32 lanes 4i, 4i+1
-// belong to group i and 4i+2, 4i+3 to group 4+i, so one int32 accumulator covers all 8 groups of the half.
+// Q6_K: kernel block = group = super-block of 256 (210 bytes): 16 scale groups of 16, one int32 lane each.
+// Per half h the 6-bit values are decoded into byte vectors A (values 0..63 of the half) and B (64..127), one
+// scale group per 128-bit lane; a 4 x 4 transpose of 32-bit pieces within each 128-bit lane across A0, B0, A1,
+// B1 gives the 4 weight vectors W[v] whose int32 lane 4i + s holds values 4v..4v+3 of scale group 4s + i, so
+// after the 8 dot products of a super-block every lane holds one scale group's 16 values and one fp step
+// covers 256 values. The lane sums stay exact through the convert: |sum (q - 32) x| <= 16 * 32 * 32639 < 2^24.
 struct KQ6K {
-  static constexpr int NVEC = 2, GV = 128, GPK = 2, KB = 256, KBYTES = 210, UNIT = 256, UNIT_BYTES = 210;
+  static constexpr int NVEC = 4, GV = 256, GPK = 1, KB = 256, KBYTES = 210, UNIT = 256, UNIT_BYTES = 210;
   static constexpr int IOFF = -32, MINS = 0;
-  using X = XG;
+  using X = XGN<4>;
   struct Ctx {
-    __m512 dsc;
+    __m512 d;
   };
-  static UF_INLINE Ctx context(const uint8_t* p) {  // once per super-block: d * sc of its 16 scale groups
-    return {_mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192))))};
+  static UF_INLINE Ctx context(const uint8_t* p) {  // d * sc of scale group 4s + i on lane 4i + s
+    const __m512 dsc =
+        _mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192))));
+    return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), dsc)};
   }
-  static UF_INLINE void decode(const uint8_t* p, int h, const Ctx& ctx, __m512i* W, __m512& dvec, __m512& mvec) {
-    const __m512 dsc = ctx.dsc;
-    const int b = 8 * h;
-    dvec = _mm512_permutexvar_ps(_mm512_setr_epi32(b, b, b + 4, b + 4, b + 1, b + 1, b + 5, b + 5, b + 2, b + 2, b + 6,
-                                                   b + 6, b + 3, b + 3, b + 7, b + 7),
-                                 dsc);
+  static UF_INLINE void decode(const uint8_t* p, int, const Ctx& ctx, __m512i* W, __m512& dvec, __m512& mvec) {
+    dvec = ctx.d;
     mvec = _mm512_setzero_ps();
     const __m512i m0f = _mm512_set1_epi8(0x0F), m3f = _mm512_set1_epi8(0x3F);
-    const __m512i QL = _mm512_loadu_si512(p + 64 * h);
-    __m512i QHx = _mm512_broadcast_i64x4(load256(p + 128 + 32 * h));
-    QHx = _mm512_mask_srli_epi16(QHx, (__mmask32)0xFFFF0000u, QHx, 2);
-    const __m512i A = _mm512_and_si512(_mm512_ternarylogic_epi32(m0f, QL, _mm512_slli_epi16(QHx, 4), 0xCA), m3f);
-    const __m512i B = _mm512_and_si512(_mm512_ternarylogic_epi32(m0f, _mm512_srli_epi16(QL, 4), QHx, 0xCA), m3f);
-    W[0] = _mm512_unpacklo_epi64(A, B);  // lane i: values 16i..16i+7, 64+16i..64+16i+7
-    W[1] = _mm512_unpackhi_epi64(A, B);  // lane i: values 16i+8..16i+15, 64+16i+8..64+16i+15
+    __m512i S[4];  // A0, B0, A1, B1: 128-bit lane i of S[s] holds scale group 4s + i
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i QL = _mm512_loadu_si512(p + 64 * h);
+      __m512i QHx = _mm512_broadcast_i64x4(load256(p + 128 + 32 * h));
+      QHx = _mm512_mask_srli_epi16(QHx, (__mmask32)0xFFFF0000u, QHx, 2);
+      S[2 * h] = _mm512_and_si512(_mm512_ternarylogic_epi32(m0f, QL, _mm512_slli_epi16(QHx, 4), 0xCA), m3f);
+      S[2 * h + 1] = _mm512_and_si512(_mm512_ternarylogic_epi32(m0f, _mm512_srli_epi16(QL, 4), QHx, 0xCA), m3f);
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(S[0], S[1]), t1 = _mm512_unpackhi_epi32(S[0], S[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(S[2], S[3]), t3 = _mm512_unpackhi_epi32(S[2], S[3]);
+    W[0] = _mm512_unpacklo_epi64(t0, t2);
+    W[1] = _mm512_unpackhi_epi64(t0, t2);
+    W[2] = _mm512_unpacklo_epi64(t1, t3);
+    W[3] = _mm512_unpackhi_epi64(t1, t3);
   }
 };
 
 // ---- activation prep --------------------------------------------------------------------------------
 
-// 32-value-block types (incl. Q4_K): group G covers blocks 4G..4G+3 (those < nblk); lane i <- block bm(i).
+// 32-value-block types but Q4_K: group G covers blocks 4G..4G+3 (those < nblk); lane i <- block bm(i).
 template <class T, bool X8>
 void prep_row32(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1) {
   const int64_t nblk = K / 32;
@@ -387,38 +395,37 @@ void prep_row_q4k(const float* x, uint8_t* out, int64_t S0, int64_t S1) {
   }
 }
 
-// Q6_K: group G covers values 128G..128G+127 (half a super-block). Vector v, 128-bit lane i, byte j holds
-// value 16i + 8v + j (j < 8, scale group i) or 64 + 16i + 8v + (j - 8) (scale group 4 + i).
+// Q6_K: group S is super-block S. Vector v, 128-bit lane i, bytes 4t..4t+3 hold values 64t + 16i + 4v .. +3
+// (scale group 4t + i); its s_b, and -32 * its integer sum, on int32 lane 4i + t.
 template <bool X8>
-void prep_row_q6k(const float* x, uint8_t* out, int64_t G0, int64_t G1) {
-  for (int64_t G = G0; G < G1; ++G) {
-    XG* g = reinterpret_cast<XG*>(out + G * sizeof(XG));
-    int16_t q[128];
-    float sb[4];
-    for (int b = 0; b < 4; ++b) {
+void prep_row_q6k(const float* x, uint8_t* out, int64_t S0, int64_t S1) {
+  for (int64_t S = S0; S < S1; ++S) {
+    XGN<4>* g = reinterpret_cast<XGN<4>*>(out + S * sizeof(XGN<4>));
+    int16_t q[256];
+    float sb[8];
+    for (int b = 0; b < 8; ++b) {
       int32_t unused;
-      sb[b] = quant32<X8>(x + 128 * G + 32 * b, q + 32 * b, &unused);
+      sb[b] = quant32<X8>(x + 256 * S + 32 * b, q + 32 * b, &unused);
     }
-    alignas(64) int8_t xh[2][64], xl[2][64];
+    alignas(64) int8_t xh[4][64], xl[4][64];
     alignas(64) float s[16], xsf[16];
     alignas(64) int32_t io[16];
-    for (int v = 0; v < 2; ++v)
-      for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 16; ++j) {
-          const int val = q[j < 8 ? 16 * i + 8 * v + j : 64 + 16 * i + 8 * v + (j - 8)];
-          xh[v][16 * i + j] = X8 ? (int8_t)val : x_hi(val);
-          xl[v][16 * i + j] = X8 ? 0 : x_lo(val);
-        }
     for (int i = 0; i < 4; ++i)
-      for (int j = 0; j < 4; ++j) {
-        const int start = j < 2 ? 16 * i : 64 + 16 * i;
+      for (int t = 0; t < 4; ++t) {
+        const int start = 64 * t + 16 * i;  // scale group 4t + i
+        for (int v = 0; v < 4; ++v)
+          for (int j = 0; j < 4; ++j) {
+            const int val = q[start + 4 * v + j];
+            xh[v][16 * i + 4 * t + j] = X8 ? (int8_t)val : x_hi(val);
+            xl[v][16 * i + 4 * t + j] = X8 ? 0 : x_lo(val);
+          }
         int32_t gs = 0;
-        for (int t = 0; t < 16; ++t) gs += q[start + t];
-        s[4 * i + j] = sb[start / 32];
-        io[4 * i + j] = (j & 1) ? 0 : -32 * gs;
-        xsf[4 * i + j] = 0.0f;
+        for (int u = 0; u < 16; ++u) gs += q[start + u];
+        s[4 * i + t] = sb[start / 32];
+        io[4 * i + t] = -32 * gs;
+        xsf[4 * i + t] = 0.0f;
       }
-    for (int v = 0; v < 2; ++v) {
+    for (int v = 0; v < 4; ++v) {
       g->xh[v] = _mm512_load_si512(xh[v]);
       g->xl[v] = _mm512_load_si512(xl[v]);
     }
@@ -688,7 +695,7 @@ int64_t qmm_prep_bytes_vnni(int qtype, int64_t K) {
 }
 
 int64_t qmm_prep_units_vnni(int qtype, int64_t K) {
-  return qtype == QT_Q6_K ? K / 128 : qtype == QT_Q4_K ? K / 256 : (K / 32 + 3) / 4;
+  return qtype == QT_Q6_K || qtype == QT_Q4_K ? K / 256 : (K / 32 + 3) / 4;
 }
 
 template <bool X8>
