@@ -229,9 +229,10 @@ class MultiplyPeak:
 
     threads: int
     vpdpbusd_per_s: float
-    # 128-value products per second with the kernels' own arithmetic (vpdpbusd + shift + convert + scale
-    # multiply + fma per product, register operands, 12 in flight), by activation bits: the ceiling of the
-    # numerics, below the bare multiply peak where the fp32 step shares the multiply units (Zen 4)
+    # 128-value products per second with the kernels' own arithmetic for a K-quant group of 256 values
+    # (vpdpbusd in a high and a low chain, shift, add, then convert + scale multiply + fma once per two products,
+    # register operands, 12 groups in flight), by activation bits: the ceiling of the numerics, below the bare
+    # multiply peak where the fp32 step shares the multiply units (Zen 4)
     products_per_s: dict[int, float]
 
     def arithmetic_macs_per_s(self, act_bits: int) -> float:

@@ -349,13 +349,14 @@ double vnni_multiply_peak(int64_t threads, int64_t iters, int64_t reps) {
 }
 
 // 128-value products per second that `threads` threads sustain together with the kernels' arithmetic (best of
-// `reps` runs of `iters` iterations of 12 independent products each; see vnni_product_chains). 0 without VNNI.
+// `reps` runs of `iters` iterations of 12 independent K-quant groups of two products each; see
+// vnni_product_chains). 0 without VNNI.
 double vnni_product_peak(int64_t threads, int64_t iters, int64_t reps, int64_t act_bits) {
   TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "vnni_product_peak: threads, iters and reps must be >= 1");
   TORCH_CHECK_VALUE(act_bits == 16 || act_bits == 8, "vnni_product_peak: act_bits must be 16 or 8");
   if (!(avx512_usable() && vnni_usable())) return 0.0;
   const bool x8 = act_bits == 8;
-  return best_rate(threads, iters, reps, [x8](int64_t n) { return vnni_product_chains(n, x8); });
+  return 2.0 * best_rate(threads, iters, reps, [x8](int64_t n) { return vnni_product_chains(n, x8); });
 }
 
 // 8-lane fp32 FMA instructions per second that `threads` threads sustain together (best of `reps` runs of `iters`

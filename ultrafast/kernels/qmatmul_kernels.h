@@ -113,12 +113,13 @@ bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uin
 // u8 x s8 multiply-adds) on the calling thread; the rate the units sustain, not one chain's latency. Returns a
 // value derived from the sums so the work cannot be dropped.
 int64_t vnni_dpbusd_chains(int64_t n);
-// The kernels' own arithmetic at full rate: n iterations of 12 independent 128-value products, each the
-// instructions kblock issues for one (weight row, activation row, group) with register operands (int16: 4
-// vpdpbusd + shift; int8: 2 vpdpbusd; then convert, the scale multiply and the fma). No loads, no weight
-// decode: the ceiling of this numerics, below the multiply peak because on Zen 4 the fp32 step shares the
-// multiply units (Q4_K's groups of 256 values issue one fp32 step per two such products, so its ceiling is
-// a little higher). Returns a value derived from the sums.
+// The kernels' own arithmetic at full rate: n iterations of 12 independent K-quant groups of 256 values (two
+// 128-value products each), each the instructions kblock issues for one (weight row, activation row, group)
+// with register operands (int16: 8 vpdpbusd in a high and a low chain, a shift and an add; int8: 4 vpdpbusd;
+// then convert, the scale multiply and the fma). No loads, no weight decode: the ceiling of this numerics for
+// Q4_K and Q6_K, below the multiply peak because on Zen 4 the fp32 step shares the multiply units (the
+// 32-value-block types issue one fp32 step per 128 values, twice as many). Returns a value derived from the
+// sums.
 int64_t vnni_product_chains(int64_t n, bool x8);
 
 }  // namespace ultrafast

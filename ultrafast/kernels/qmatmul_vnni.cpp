@@ -23,7 +23,7 @@
 // of 16, see KQ6K; Q4_K: a super-block of 256, 8 blocks of 32, see KQ4K). Its weights are decoded into NVEC
 // byte vectors (2; Q4_K 4) in which each int32 lane only ever holds values of one block, so after the dot
 // products int32 lanes 4i..4i+3 hold partial sums of block bm(i) (Q6_K: lanes 4i, 4i+1 and 4i+2, 4i+3 two
-// scale groups; Q4_K: lanes 2m, 2m+1 sub-block sb(m)). The activation prep writes xh and xl in exactly that
+// scale groups; Q4_K: lanes 2m, 2m+1 sub-block sb_of(m)). The activation prep writes xh and xl in exactly that
 // order, with per-lane vectors of s_b, the integer offsets (one lane per block) and s_b * xsum_b (one lane
 // per block).
 //
@@ -144,6 +144,27 @@ UF_INLINE float quant32(const float* x, int16_t* q, int32_t* sum) {
   return s;
 }
 
+// One group's prepared data staged in memory (lanes not written stay 0), then copied into its vectors.
+template <int NVEC, bool X8>
+struct GroupStage {
+  alignas(64) int8_t xh[NVEC][64] = {}, xl[NVEC][64] = {};
+  alignas(64) float s[16] = {}, xsf[16] = {};
+  alignas(64) int32_t io[16] = {};
+  void put(int v, int byte, int val) {  // x = 256 * xh + xl; int8 x: xh alone
+    xh[v][byte] = X8 ? (int8_t)val : x_hi(val);
+    xl[v][byte] = X8 ? 0 : x_lo(val);
+  }
+  void store(XGN<NVEC>* g) const {
+    for (int v = 0; v < NVEC; ++v) {
+      g->xh[v] = _mm512_load_si512(xh[v]);
+      g->xl[v] = _mm512_load_si512(xl[v]);
+    }
+    g->s = _mm512_load_ps(s);
+    g->ioff = _mm512_load_si512(io);
+    g->xsf = _mm512_load_ps(xsf);
+  }
+};
+
 // ---- kernel types ------------------------------------------------------------------------------------
 // Each: NV, GV (values per group), KB/KBYTES (values/bytes of one kernel block = GPK groups),
 // PARTIAL_UNIT/_BYTES (a row whose K is not a multiple of KB ends in a partial kernel block decoded from a
@@ -222,18 +243,30 @@ struct K32 {
 };
 
 // Q4_K: kernel block = group = super-block of 256 (144 bytes): 8 sub-blocks of 32, two int32 lanes each.
-// Its 4 weight vectors W[v] hold in 64-bit lane m the values 8v..8v+7 of sub-block sb(m), sb = 0,2,4,6,1,3,5,7
+// Its 4 weight vectors W[v] hold in 64-bit lane m the values 8v..8v+7 of sub-block sb_of(m) = 0,2,4,6,1,3,5,7
 // (one permute of the raw bytes and one 128-bit shuffle per two vectors from the file's nibble order), so after
 // the 8 dot products of a super-block every int32 lane holds 16 values of one sub-block, and one fp step
 // (convert, d_w * s_b, fma) covers 256 values, half as many as with one lane group per block of a 128-value
 // group.
 struct KQ4K {
   static constexpr int NVEC = 4, GV = 256, GPK = 1, KB = 256, KBYTES = 144, UNIT = 256, UNIT_BYTES = 144;
-  // mins once per super-block: ctx.m (dmin * m of sub-block sb(m) on lanes 2m, 2m + 1) against the x vector
+  // mins once per super-block: ctx.m (dmin * m of sub-block sb_of(m) on lanes 2m, 2m + 1) against the x vector
   // xsf (s_b * xsum_b on lane 2m, 0 on 2m + 1)
   static constexpr int IOFF = 0, MINS = -1;
   using X = XGN<4>;
-  static UF_INLINE int sb(int m) { return m < 4 ? 2 * m : 2 * (m - 4) + 1; }
+  static UF_INLINE int sb_of(int m) { return m < 4 ? 2 * m : 2 * (m - 4) + 1; }
+  // Prepared x (see prep_row_k): vector v, 64-bit lane m, byte j holds value 8v + j of sub-block sb_of(m); s_b on
+  // lanes 2m, 2m + 1; s_b * xsum_b on lane 2m (0 on 2m + 1).
+  template <bool X8>
+  static void stage(const int16_t* q, const float* sb, const int32_t* sum, GroupStage<4, X8>& st) {
+    for (int m = 0; m < 8; ++m) {
+      const int b = sb_of(m);
+      for (int v = 0; v < 4; ++v)
+        for (int j = 0; j < 8; ++j) st.put(v, 8 * m + j, q[32 * b + 8 * v + j]);
+      st.s[2 * m] = st.s[2 * m + 1] = sb[b];
+      st.xsf[2 * m] = sb[b] * (float)sum[b];
+    }
+  }
   static UF_INLINE __m512 scales(const uint8_t* p) {
     // the 12 bytes of 6-bit scales/mins as 32-bit words s0, s1, s2 (ggml's get_scale_min_k4, 4 at a time):
     //   sc0..3 = s0 & 63, m0..3 = s1 & 63, sc4..7 = (s2 & 15) | (s0 >> 6) << 4, m4..7 = (s2 >> 4) | (s1 >> 6) << 4
@@ -287,6 +320,21 @@ struct KQ6K {
   static constexpr int NVEC = 4, GV = 256, GPK = 1, KB = 256, KBYTES = 210, UNIT = 256, UNIT_BYTES = 210;
   static constexpr int IOFF = -32, MINS = 0;
   using X = XGN<4>;
+  // Prepared x (see prep_row_k): vector v, 128-bit lane i, bytes 4t..4t+3 hold values 64t + 16i + 4v .. +3
+  // (scale group 4t + i); its s_b, and -32 * its integer sum, on int32 lane 4i + t.
+  template <bool X8>
+  static void stage(const int16_t* q, const float* sb, const int32_t*, GroupStage<4, X8>& st) {
+    for (int i = 0; i < 4; ++i)
+      for (int t = 0; t < 4; ++t) {
+        const int start = 64 * t + 16 * i;  // scale group 4t + i
+        for (int v = 0; v < 4; ++v)
+          for (int j = 0; j < 4; ++j) st.put(v, 16 * i + 4 * t + j, q[start + 4 * v + j]);
+        int32_t gs = 0;
+        for (int u = 0; u < 16; ++u) gs += q[start + u];
+        st.s[4 * i + t] = sb[start / 32];
+        st.io[4 * i + t] = -32 * gs;
+      }
+  }
   struct Ctx {
     __m512 d;
   };
@@ -324,114 +372,35 @@ template <class T, bool X8>
 void prep_row32(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1) {
   const int64_t nblk = K / 32;
   for (int64_t G = G0; G < G1; ++G) {
-    XG* g = reinterpret_cast<XG*>(out + G * sizeof(XG));
-    alignas(64) int8_t xh[2][64], xl[2][64];
-    alignas(64) float s[16], xsf[16];
-    alignas(64) int32_t io[16];
+    GroupStage<2, X8> st;
     for (int i = 0; i < 4; ++i) {
       const int64_t blk = 4 * G + T::bm(i);
-      int16_t q[32];
+      int16_t q[32] = {};
       int32_t sum = 0;
       float sb = 0.0f;
-      if (blk < nblk) {
-        sb = quant32<X8>(x + 32 * blk, q, &sum);
-      } else {
-        for (int j = 0; j < 32; ++j) q[j] = 0;
-      }
+      if (blk < nblk) sb = quant32<X8>(x + 32 * blk, q, &sum);
       for (int v = 0; v < 2; ++v)
-        for (int j = 0; j < 16; ++j) {
-          xh[v][16 * i + j] = X8 ? (int8_t)q[16 * v + j] : x_hi(q[16 * v + j]);
-          xl[v][16 * i + j] = X8 ? 0 : x_lo(q[16 * v + j]);
-        }
-      for (int j = 0; j < 4; ++j) {
-        s[4 * i + j] = sb;
-        io[4 * i + j] = 0;
-        xsf[4 * i + j] = 0.0f;
-      }
-      io[4 * i] = T::IOFF * sum;
-      xsf[4 * i] = sb * (float)sum;
+        for (int j = 0; j < 16; ++j) st.put(v, 16 * i + j, q[16 * v + j]);
+      for (int j = 0; j < 4; ++j) st.s[4 * i + j] = sb;
+      st.io[4 * i] = T::IOFF * sum;
+      st.xsf[4 * i] = sb * (float)sum;
     }
-    for (int v = 0; v < 2; ++v) {
-      g->xh[v] = _mm512_load_si512(xh[v]);
-      g->xl[v] = _mm512_load_si512(xl[v]);
-    }
-    g->s = _mm512_load_ps(s);
-    g->ioff = _mm512_load_si512(io);
-    g->xsf = _mm512_load_ps(xsf);
+    st.store(reinterpret_cast<XG*>(out + G * sizeof(XG)));
   }
 }
 
-// Q4_K: group S is super-block S. Vector v, 64-bit lane m, byte j holds value 8v + j of sub-block KQ4K::sb(m);
-// s_b on lanes 2m, 2m + 1; s_b * xsum_b on lane 2m (0 on 2m + 1).
-template <bool X8>
-void prep_row_q4k(const float* x, uint8_t* out, int64_t S0, int64_t S1) {
+// K-quant types (T = KQ4K, KQ6K): group S is super-block S, its 256 values quantized per block of 32 and
+// laid out by T::stage (q: the values, sb: each block's s_b, sum: each block's integer sum).
+template <class T, bool X8>
+void prep_row_k(const float* x, uint8_t* out, int64_t S0, int64_t S1) {
   for (int64_t S = S0; S < S1; ++S) {
-    XGN<4>* g = reinterpret_cast<XGN<4>*>(out + S * sizeof(XGN<4>));
     int16_t q[256];
     float sb[8];
     int32_t sum[8];
     for (int b = 0; b < 8; ++b) sb[b] = quant32<X8>(x + 256 * S + 32 * b, q + 32 * b, &sum[b]);
-    alignas(64) int8_t xh[4][64], xl[4][64];
-    alignas(64) float s[16], xsf[16];
-    for (int m = 0; m < 8; ++m) {
-      const int b = KQ4K::sb(m);
-      for (int v = 0; v < 4; ++v)
-        for (int j = 0; j < 8; ++j) {
-          const int val = q[32 * b + 8 * v + j];
-          xh[v][8 * m + j] = X8 ? (int8_t)val : x_hi(val);
-          xl[v][8 * m + j] = X8 ? 0 : x_lo(val);
-        }
-      s[2 * m] = s[2 * m + 1] = sb[b];
-      xsf[2 * m] = sb[b] * (float)sum[b];
-      xsf[2 * m + 1] = 0.0f;
-    }
-    for (int v = 0; v < 4; ++v) {
-      g->xh[v] = _mm512_load_si512(xh[v]);
-      g->xl[v] = _mm512_load_si512(xl[v]);
-    }
-    g->s = _mm512_load_ps(s);
-    g->ioff = _mm512_setzero_si512();
-    g->xsf = _mm512_load_ps(xsf);
-  }
-}
-
-// Q6_K: group S is super-block S. Vector v, 128-bit lane i, bytes 4t..4t+3 hold values 64t + 16i + 4v .. +3
-// (scale group 4t + i); its s_b, and -32 * its integer sum, on int32 lane 4i + t.
-template <bool X8>
-void prep_row_q6k(const float* x, uint8_t* out, int64_t S0, int64_t S1) {
-  for (int64_t S = S0; S < S1; ++S) {
-    XGN<4>* g = reinterpret_cast<XGN<4>*>(out + S * sizeof(XGN<4>));
-    int16_t q[256];
-    float sb[8];
-    for (int b = 0; b < 8; ++b) {
-      int32_t unused;
-      sb[b] = quant32<X8>(x + 256 * S + 32 * b, q + 32 * b, &unused);
-    }
-    alignas(64) int8_t xh[4][64], xl[4][64];
-    alignas(64) float s[16], xsf[16];
-    alignas(64) int32_t io[16];
-    for (int i = 0; i < 4; ++i)
-      for (int t = 0; t < 4; ++t) {
-        const int start = 64 * t + 16 * i;  // scale group 4t + i
-        for (int v = 0; v < 4; ++v)
-          for (int j = 0; j < 4; ++j) {
-            const int val = q[start + 4 * v + j];
-            xh[v][16 * i + 4 * t + j] = X8 ? (int8_t)val : x_hi(val);
-            xl[v][16 * i + 4 * t + j] = X8 ? 0 : x_lo(val);
-          }
-        int32_t gs = 0;
-        for (int u = 0; u < 16; ++u) gs += q[start + u];
-        s[4 * i + t] = sb[start / 32];
-        io[4 * i + t] = -32 * gs;
-        xsf[4 * i + t] = 0.0f;
-      }
-    for (int v = 0; v < 4; ++v) {
-      g->xh[v] = _mm512_load_si512(xh[v]);
-      g->xl[v] = _mm512_load_si512(xl[v]);
-    }
-    g->s = _mm512_load_ps(s);
-    g->ioff = _mm512_load_si512(io);
-    g->xsf = _mm512_load_ps(xsf);
+    GroupStage<4, X8> st;
+    T::stage(q, sb, sum, st);
+    st.store(reinterpret_cast<XGN<4>*>(out + S * sizeof(XGN<4>)));
   }
 }
 
@@ -476,6 +445,15 @@ constexpr int64_t PF_NEAR = 2048, PF_FAR = 12288, PF_FAR_MIN = 512 * 1024;
 // single chain with the x vectors of a group pinned (1 thread, weights from memory, ns per 128-value product
 // at k = 1 / 4 / 16): Q6_K 1536 x 8960 4.22 / 3.06 / 2.69 -> 4.18 / 2.73 / 2.63; Q8_0 1536 x 576
 // 11.57 / 4.77 / 4.90 -> 9.99 / 4.39 / 4.35.
+// c[w] += W[w][v] . xv for the NW weight rows (v == 0 starts the chains), xv loaded once into a register
+// for all of them (left to itself the compiler folds the load into each vpdpbusd, reading it NW times).
+template <int NW, int NV>
+UF_INLINE void dot_step(const __m512i (&W)[NW][NV], int v, __m512i xv, __m512i* c) {
+  if constexpr (NW > 1) __asm__("" : "+v"(xv));
+#pragma GCC unroll 4
+  for (int w = 0; w < NW; ++w) c[w] = _mm512_dpbusd_epi32(v == 0 ? _mm512_setzero_si512() : c[w], W[w][v], xv);
+}
+
 template <class T, int NW, int R, bool X8>
 UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t ldx, __m512* acc) {
   using X = typename T::X;
@@ -491,22 +469,11 @@ UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t l
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const X* xr = reinterpret_cast<const X*>(xg + r * ldx) + g;
-      // each x vector loaded once into a register for the NW weight rows (one live at a time)
-      __m512i ia[NW], il[NW];
+      __m512i ia[NW], il[NW];  // the chains of x's high bytes and of its low bytes
 #pragma GCC unroll 8
       for (int v = 0; v < T::NVEC; ++v) {
-        __m512i xv = xr->xh[v];
-        if constexpr (NW > 1) __asm__("" : "+v"(xv));
-#pragma GCC unroll 4
-        for (int w = 0; w < NW; ++w)
-          ia[w] = _mm512_dpbusd_epi32(v == 0 ? _mm512_setzero_si512() : ia[w], W[w][v], xv);
-        if constexpr (!X8) {
-          __m512i xw = xr->xl[v];
-          if constexpr (NW > 1) __asm__("" : "+v"(xw));
-#pragma GCC unroll 4
-          for (int w = 0; w < NW; ++w)
-            il[w] = _mm512_dpbusd_epi32(v == 0 ? _mm512_setzero_si512() : il[w], W[w][v], xw);
-        }
+        dot_step<NW>(W, v, xr->xh[v], ia);
+        if constexpr (!X8) dot_step<NW>(W, v, xr->xl[v], il);
       }
       if constexpr (!X8) {
 #pragma GCC unroll 4
@@ -701,8 +668,8 @@ int64_t qmm_prep_units_vnni(int qtype, int64_t K) {
 template <bool X8>
 void prep_range(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1) {
   switch (qtype) {
-    case QT_Q6_K: prep_row_q6k<X8>(x, xg, G0, G1); break;
-    case QT_Q4_K: prep_row_q4k<X8>(x, xg, G0, G1); break;
+    case QT_Q6_K: prep_row_k<KQ6K, X8>(x, xg, G0, G1); break;
+    case QT_Q4_K: prep_row_k<KQ4K, X8>(x, xg, G0, G1); break;
     case QT_Q4_0: prep_row32<K32<QT_Q4_0>, X8>(x, K, xg, G0, G1); break;
     case QT_Q4_1: prep_row32<K32<QT_Q4_1>, X8>(x, K, xg, G0, G1); break;
     case QT_Q5_0: prep_row32<K32<QT_Q5_0>, X8>(x, K, xg, G0, G1); break;
@@ -746,23 +713,27 @@ int64_t vnni_dpbusd_chains(int64_t n) {
 
 template <bool X8>
 int64_t product_chains(int64_t n) {
-  __m512i w0 = _mm512_set1_epi8(3), w1 = _mm512_set1_epi8(5), x0 = _mm512_set1_epi8(7), x1 = _mm512_set1_epi8(9);
+  __m512i w[4], x[4];
+  for (int v = 0; v < 4; ++v) w[v] = _mm512_set1_epi8((char)(3 + v)), x[v] = _mm512_set1_epi8((char)(7 + v));
   __m512 d = _mm512_set1_ps(1e-9f), s = _mm512_set1_ps(1.0f);
   __m512 a[12];
   for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps((float)i);
   for (int64_t it = 0; it < n; ++it) {
 #pragma GCC unroll 12
     for (int i = 0; i < 12; ++i) {
-      __asm__ volatile("" : "+v"(x0), "+v"(w0));  // each product's operands are new: nothing is shared or hoisted
-      // kblock's arithmetic of one 128-value product (register operands: no loads, no weight decode)
-      __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0);
-      ia = _mm512_dpbusd_epi32(ia, w1, x1);
+      __asm__ volatile("" : "+v"(x[0]), "+v"(w[0]));  // each group's operands are new: nothing is shared or hoisted
+      // kblock's arithmetic of one K-quant group of 256 values (two 128-value products; register operands, no
+      // loads, no weight decode): the high and low bytes' chains, joined, then one fp step
+      __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[0]);
+#pragma GCC unroll 4
+      for (int v = 1; v < 4; ++v) ih = _mm512_dpbusd_epi32(ih, w[v], x[v]);
       if constexpr (!X8) {
-        ia = _mm512_slli_epi32(ia, 8);
-        ia = _mm512_dpbusd_epi32(ia, w0, x1);
-        ia = _mm512_dpbusd_epi32(ia, w1, x0);
+        __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[3]);
+#pragma GCC unroll 4
+        for (int v = 1; v < 4; ++v) il = _mm512_dpbusd_epi32(il, w[v], x[3 - v]);
+        ih = _mm512_add_epi32(_mm512_slli_epi32(ih, 8), il);
       }
-      a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(d, s), a[i]);
+      a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(d, s), a[i]);
     }
   }
   float t = 0.0f;
