@@ -19,13 +19,13 @@
 // (Q4_K, the 8 sub-blocks of a super-block in one vector op).
 // The only approximation is the int16 rounding of x (relative error ~1e-5 of sum |x*w| at worst).
 //
-// Lane layout. A "group" is the values one fp step covers: 128 values, 4 blocks of 32 (Q6_K: 8 scale groups
-// of 16, see KQ6K; Q4_K: a super-block of 256, 8 blocks of 32, see KQ4K). Its weights are decoded into NVEC
-// byte vectors (2; Q4_K 4) in which each int32 lane only ever holds values of one block, so after the dot
-// products int32 lanes 4i..4i+3 hold partial sums of block bm(i) (Q6_K: lanes 4i, 4i+1 and 4i+2, 4i+3 two
-// scale groups; Q4_K: lanes 2m, 2m+1 sub-block sb_of(m)). The activation prep writes xh and xl in exactly that
-// order, with per-lane vectors of s_b, the integer offsets (one lane per block) and s_b * xsum_b (one lane
-// per block).
+// Lane layout. A "group" is the values one fp step covers: 128 values, 4 blocks of 32, for the 32-value-block
+// types; a super-block of 256 values for Q4_K (8 sub-blocks of 32, see KQ4K) and Q6_K (16 scale groups of 16,
+// see KQ6K). Its weights are decoded into NVEC byte vectors (2; the K-quants 4) in which each int32 lane only
+// ever holds values of one block, so after the dot products int32 lanes 4i..4i+3 hold partial sums of block
+// bm(i) (Q4_K: lanes 2m, 2m+1 sub-block sb_of(m); Q6_K: lane 4i+s scale group 4s+i). The activation prep
+// writes xh and xl in exactly that order, with per-lane vectors of s_b, the integer offsets (one lane per
+// block) and s_b * xsum_b (one lane per block).
 //
 // Batch invariance: every output y[r][n] is one fixed sequence of operations that depends only on
 // (qtype, K, weight row n, activation row r): per group the integer dot products (exact, in any order),
@@ -58,11 +58,6 @@ UF_INLINE float h2f(const uint8_t* p) {
   __builtin_memcpy(&h, p, 2);
   return _cvtsh_ss(h);  // exact
 }
-UF_INLINE uint16_t rd16(const uint8_t* p) {
-  uint16_t h;
-  __builtin_memcpy(&h, p, 2);
-  return h;
-}
 UF_INLINE uint32_t rd32(const uint8_t* p) {
   uint32_t h;
   __builtin_memcpy(&h, p, 4);
@@ -70,21 +65,6 @@ UF_INLINE uint32_t rd32(const uint8_t* p) {
 }
 UF_INLINE __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 UF_INLINE __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-// Four 16-byte pieces `stride` bytes apart -> one vector (piece b in 128-bit lane b).
-UF_INLINE __m512i load4x16(const uint8_t* p, int stride) {
-  __m512i z = _mm512_castsi128_si512(load128(p));
-  z = _mm512_inserti32x4(z, load128(p + stride), 1);
-  z = _mm512_inserti32x4(z, load128(p + 2 * stride), 2);
-  z = _mm512_inserti32x4(z, load128(p + 3 * stride), 3);
-  return z;
-}
-
-// Lane 4i+j <- v[idx_i] for a 4-float vector v (as 16 lanes), idx given by the permute index.
-UF_INLINE __m512 spread4(__m128 v) {
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                               _mm512_castps128_ps512(v));
-}
 
 // Per-row, per-group activation data (layout written by prep, read by the kernels).
 //   xh[v], xl[v]: the int16 x of byte position j of weight vector v, split as x = 256 * xh + xl (both signed
@@ -166,11 +146,12 @@ struct GroupStage {
 };
 
 // ---- kernel types ------------------------------------------------------------------------------------
-// Each: NV, GV (values per group), KB/KBYTES (values/bytes of one kernel block = GPK groups),
-// PARTIAL_UNIT/_BYTES (a row whose K is not a multiple of KB ends in a partial kernel block decoded from a
-// zero-padded copy), IOFF (integer offset multiplier, 0 none), MINS (0 none; +1 Q4_1: decode's mvec per
-// group; -1 Q4_K: Ctx::dm once per super-block, see KQ4K), BM (lane
-// block map), and decode(p, g, W, dvec, mvec) for group g of the kernel block at p.
+// Each: NVEC (weight vectors per group), GV (values per group), KB/KBYTES (values/bytes of one kernel block =
+// GPK groups), UNIT/UNIT_BYTES (a row whose K is not a multiple of KB ends in a partial kernel block decoded
+// from a zero-padded copy of its whole units), IOFF (integer offset multiplier, 0 none), MINS (0 none; +1
+// Q4_1: decode's mvec per group; -1 Q4_K: Ctx::m once per super-block), X (the prepared x of a group),
+// context(p) once per kernel block, and decode(p, g, ctx, W, dvec, mvec) for group g of the kernel block at p.
+// The prep lays x out by bm(i) (K32) or stage() (the K-quants).
 
 // Word-permute indices (vpermt2w over two 64-byte vectors; index bit 5 picks the second) gathering 8 words
 // of each of 4 blocks of BB bytes, starting at byte OFF of the block, SHIFT words before the first vector.
