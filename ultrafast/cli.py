@@ -29,6 +29,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 ACT_BITS_HELP = ("precision of the activations inside the quantized linears: 16 (default) or 8 (int8 per "
                  "block of 32, as llama.cpp rounds them to int8; about twice the multiply rate in prefill and "
                  "verification, outputs move slightly)")
+EVAL_ACT_BITS_HELP = ("the activations of the server started for the run: 16 (default) or 8 (see serve); a "
+                      "server at --url runs with its own")
 
 DRAFTERS_HELP = ("ultrafast drafters, comma-separated from grammar,prompt_lookup,suffix,draft_model,self_spec,head "
                  "(default: grammar,suffix,prompt_lookup, plus draft_model with --draft-model and head with a draft "
@@ -370,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per candidate's run")
     e.add_argument("--max-context", type=int, default=2048)
     e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--activation-bits", type=int, choices=[16, 8], default=None, help=EVAL_ACT_BITS_HELP)
     e.add_argument("--out", default="humaneval-records.jsonl", help="one JSON line per problem and run, appended")
     e.add_argument("--resume", action="store_true",
                    help="take --out's records made with the same settings instead of running them again")
@@ -386,9 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tier", choices=["standard", "ultrafast", "both"], default="both")
     e.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (agents run several)")
     e.add_argument("--limit", type=int, default=None, help="the first K prompts of each set")
+    e.add_argument("--per-category", type=int, default=None,
+                   help="Spec-Bench: the first N questions of each category (MT-Bench's eight count as one, as in "
+                        "specbench)")
     e.add_argument("--max-tokens", type=int, default=256)
     e.add_argument("--max-context", type=int, default=4096)
     e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--activation-bits", type=int, choices=[16, 8], default=None, help=EVAL_ACT_BITS_HELP)
     e.add_argument("--out", default="suite-records.jsonl", help="one JSON line per request, appended")
     e.add_argument("--json", default=None, help="also write the summary as JSON (and a PNG beside it)")
     e.set_defaults(fn=lambda a: __import__("ultrafast.evals.suite", fromlist=["run"]).run(a))

@@ -105,6 +105,35 @@ def test_resume_takes_only_records_made_with_the_same_settings(tmp_path):
     assert resumable(tmp_path / "absent.jsonl", mine) == ({}, 0)
 
 
+def test_resume_tells_the_activation_bits_apart(tmp_path):
+    import argparse
+
+    from ultrafast.evals.humaneval import ProblemResult, resumable, settings
+
+    args = argparse.Namespace(temperature=0.8, top_p=0.95, max_tokens=512, seed=0, exec_timeout=10.0, url=None,
+                              activation_bits=None)
+    mine = settings(args, "m")
+    assert mine["activation_bits"] == 16  # the server started for the run, at its default
+    eight = settings(argparse.Namespace(**{**vars(args), "activation_bits": 8}), "m")
+    before = {k: v for k, v in mine.items() if k != "activation_bits"}  # a record from before the option
+    at_url = settings(argparse.Namespace(**{**vars(args), "url": "http://127.0.0.1:8000"}), "m")
+    assert at_url["activation_bits"] is None  # a server at --url: its own setting, not known
+    path = tmp_path / "records.jsonl"
+    rows = [ProblemResult(f"HumanEval/{i}", "standard", 10, 3, 0, 1.0, 0.1, 50, 20, settings=st)
+            for i, st in enumerate([mine, eight, before])]
+    path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in rows))
+    done, ignored = resumable(path, mine)
+    assert sorted(done) == [("HumanEval/0", "standard", 10), ("HumanEval/2", "standard", 10)] and ignored == 1
+    done, ignored = resumable(path, eight)
+    assert list(done) == [("HumanEval/1", "standard", 10)] and ignored == 2
+
+
+def test_activation_bits_with_url_is_an_error_line():
+    p = subprocess.run([sys.executable, "-m", "ultrafast.cli", "evals", "humaneval", "--activation-bits", "8",
+                        "--url", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("error:") and "--activation-bits" in p.stderr
+
+
 def test_length_split_parts_the_wall_clock_ratio():
     from ultrafast.evals.humaneval import ProblemResult, length_split
 

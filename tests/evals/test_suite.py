@@ -16,8 +16,10 @@ def test_a_small_suite_in_both_tiers(tmp_path, smollm_path):
                                             ("math_reasoning", "What is 17 times 3?"), ("rag", "Unused.")])))
     p = subprocess.run([sys.executable, "-m", "ultrafast.cli", "evals", "suite", "--model", str(smollm_path),
                         "--questions", str(questions), "--limit", "3", "--concurrency", "2", "--max-tokens", "16",
-                        "--out", str(out), "--json", str(summary)], capture_output=True, text=True, timeout=900)
+                        "--activation-bits", "8", "--out", str(out), "--json", str(summary)], capture_output=True, text=True,
+                       timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "--activation-bits 8`" in p.stderr  # the server started for the run, with int8 activations
     runs = {(r["set"], r["tier"]): r for r in json.loads(summary.read_text())}
     assert set(runs) == {(s, t) for s in ("specbench", "humaneval") for t in ("standard", "ultrafast")}
     for s in ("specbench", "humaneval"):
@@ -36,3 +38,22 @@ def test_an_unknown_set_is_an_error_line():
     p = subprocess.run([sys.executable, "-m", "ultrafast.cli", "evals", "suite", "--sets", "mmlu", "--url",
                         "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.startswith("error:") and "mmlu" in p.stderr
+
+
+def test_per_category_takes_the_first_questions_of_each_category(tmp_path):
+    from ultrafast.evals.suite import prompts
+
+    questions = tmp_path / "question.jsonl"
+    rows = [("writing", "w1"), ("roleplay", "r1"), ("writing", "w2"), ("translation", "t1"), ("translation", "t2"),
+            ("translation", "t3"), ("rag", "g1")]
+    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                                 for i, (c, t) in enumerate(rows)))
+    texts = [m[0]["content"] for m in prompts("specbench", None, str(questions), 2)]
+    assert texts == ["w1", "r1", "t1", "t2", "g1"]  # MT-Bench's sub-categories count as one, as in specbench
+    assert len(prompts("specbench", None, str(questions))) == 7
+
+
+def test_bad_per_category_is_an_error_line():
+    p = subprocess.run([sys.executable, "-m", "ultrafast.cli", "evals", "suite", "--per-category", "0", "--url",
+                        "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("error:") and "--per-category" in p.stderr

@@ -150,7 +150,15 @@ def settings(args, model: str) -> dict:
     """What a record's outcome depends on besides its problem, tier and N: a record is resumed only under the
     same settings."""
     return {"model": model, "temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens,
-            "seed": args.seed, "exec_timeout": args.exec_timeout}
+            "seed": args.seed, "exec_timeout": args.exec_timeout, "activation_bits": activation_bits(args)}
+
+
+def activation_bits(args) -> int | None:
+    """The activations of the server the run talks to: the one it starts (16 unless --activation-bits 8), or
+    None for a server at --url (its own setting, not known here)."""
+    if getattr(args, "url", None):
+        return None
+    return getattr(args, "activation_bits", None) or 16
 
 
 def resumable(path: Path, current: dict) -> tuple[dict[tuple[str, str, int], ProblemResult], int]:
@@ -166,6 +174,8 @@ def resumable(path: Path, current: dict) -> tuple[dict[tuple[str, str, int], Pro
         except (ValueError, TypeError):
             other += 1
             continue
+        if rec.settings and "activation_bits" not in rec.settings:  # records from before the option: 16
+            rec.settings = {**rec.settings, "activation_bits": 16}
         if rec.settings == current:
             done[(rec.task_id, rec.tier, rec.n)] = rec
         else:
@@ -177,8 +187,9 @@ def run(args) -> int:
     import openai
 
     from ..server.protocol import MAX_N
-    from .server_process import served
+    from .server_process import check_args, served
 
+    check_args(args)
     if not 1 <= args.n <= MAX_N:
         raise ValueError(f"--n must be in 1..{MAX_N} (candidates in one request), got {args.n}")
     if args.limit is not None and args.limit < 1:
@@ -189,8 +200,10 @@ def run(args) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = [(tier, n) for tier in tiers for n in ([args.n, 1] if args.baseline and args.n != 1 else [args.n])]
+    acts = f"{activation_bits(args)}-bit" if activation_bits(args) else "the server's own"
     print(f"HumanEval: {len(problems)} problems, n = {args.n}{' and 1' if args.baseline else ''}, tiers "
-          f"{', '.join(tiers)}, each problem's runs back to back; sandbox: {sandbox.isolation()}; records -> {out}",
+          f"{', '.join(tiers)}, each problem's runs back to back; activations: {acts}; sandbox: "
+          f"{sandbox.isolation()}; records -> {out}",
           file=sys.stderr)
     results: dict[tuple[str, int], list[ProblemResult]] = {r: [] for r in runs}
     with served(args, slots=max(args.n, 4)) as (base_url, model), out.open("a") as records:

@@ -19,6 +19,13 @@ def _model(url: str, api_key: str | None) -> str:
     return models[0]["id"]
 
 
+def check_args(args) -> None:
+    """The options that only a server started for the run takes: an error with --url."""
+    if args.url and getattr(args, "activation_bits", None) is not None:
+        raise ValueError("--activation-bits sets the server started for the run; the one at --url runs with its "
+                         "own (`ultrafast serve --activation-bits`)")
+
+
 @contextmanager
 def served(args, slots: int):
     """(base URL of the OpenAI API, the model's name): `args.url`'s server, or one started for the run from
@@ -41,8 +48,10 @@ def _started(args, slots: int):
            "--max-queue", str(max(64, 4 * slots)), "--max-context", str(args.max_context), "--log-level", "warning"]
     if getattr(args, "threads", None):
         cmd += ["--threads", str(args.threads)]
+    if getattr(args, "activation_bits", None):
+        cmd += ["--activation-bits", str(args.activation_bits)]
     server = ServeProcess(cmd, tmp / "server.log")
-    print(f"starting `ultrafast serve --model {args.model} --slots {slots}` on port {server.port} (log "
+    print(f"starting `ultrafast serve {' '.join(cmd[:2] + cmd[4:6] + cmd[12:])}` on port {server.port} (log "
           f"{server.log})", file=sys.stderr)
     server.start()
     try:

@@ -20,12 +20,12 @@ from .. import report
 SETS = ("specbench", "humaneval")
 
 
-def prompts(name: str, limit: int | None, questions: str | None) -> list[list[dict]]:
-    """A set's chat messages, in order."""
+def prompts(name: str, limit: int | None, questions: str | None, per_category: int | None = None) -> list[list[dict]]:
+    """A set's chat messages, in order (Spec-Bench: the first `per_category` of each category, if given)."""
     if name == "specbench":
         from ..benchmarks.spec_bench import default_questions_path, load_questions
 
-        qs = load_questions(Path(questions) if questions else default_questions_path(), None)
+        qs = load_questions(Path(questions) if questions else default_questions_path(), per_category)
         out = [[{"role": "user", "content": text}] for _, text in qs]
     elif name == "humaneval":
         from .humaneval import load_problems, messages
@@ -86,16 +86,19 @@ async def _run(base_url: str, api_key: str, model: str, name: str, msgs: list, t
 def run(args) -> int:
     import httpx
 
-    from .server_process import served
+    from .server_process import check_args, served
 
+    check_args(args)
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     for s in sets:
         if s not in SETS:
             raise ValueError(f"--sets: unknown set {s!r}: one of {', '.join(SETS)}")
     if args.concurrency < 1:
         raise ValueError(f"--concurrency must be at least 1, got {args.concurrency}")
+    if args.per_category is not None and args.per_category < 1:
+        raise ValueError(f"--per-category must be at least 1, got {args.per_category}")
     tiers = ["standard", "ultrafast"] if args.tier == "both" else [args.tier]
-    work = {s: prompts(s, args.limit, args.questions) for s in sets}
+    work = {s: prompts(s, args.limit, args.questions, args.per_category) for s in sets}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs: list[TierRun] = []
