@@ -16,8 +16,8 @@ def test_a_small_suite_in_both_tiers(tmp_path, smollm_path):
                                             ("math_reasoning", "What is 17 times 3?"), ("rag", "Unused.")])))
     p = subprocess.run([sys.executable, "-m", "ultrafast.cli", "evals", "suite", "--model", str(smollm_path),
                         "--questions", str(questions), "--limit", "3", "--concurrency", "2", "--max-tokens", "16",
-                        "--activation-bits", "8", "--out", str(out), "--json", str(summary)], capture_output=True, text=True,
-                       timeout=900)
+                        "--activation-bits", "8", "--out", str(out), "--json", str(summary)],
+                       capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "--activation-bits 8`" in p.stderr  # the server started for the run, with int8 activations
     runs = {(r["set"], r["tier"]): r for r in json.loads(summary.read_text())}

@@ -200,7 +200,8 @@ def run(args) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = [(tier, n) for tier in tiers for n in ([args.n, 1] if args.baseline and args.n != 1 else [args.n])]
-    acts = f"{activation_bits(args)}-bit" if activation_bits(args) else "the server's own"
+    bits = activation_bits(args)
+    acts = f"{bits}-bit" if bits else "the server's own"
     print(f"HumanEval: {len(problems)} problems, n = {args.n}{' and 1' if args.baseline else ''}, tiers "
           f"{', '.join(tiers)}, each problem's runs back to back; activations: {acts}; sandbox: "
           f"{sandbox.isolation()}; records -> {out}",

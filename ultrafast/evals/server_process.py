@@ -44,15 +44,15 @@ def served(args, slots: int):
 @contextmanager
 def _started(args, slots: int):
     tmp = Path(tempfile.mkdtemp(prefix="ultrafast-evals-"))
-    cmd = ["--model", args.model, "--db", str(tmp / "ledger.db"), "--slots", str(slots),
-           "--max-queue", str(max(64, 4 * slots)), "--max-context", str(args.max_context), "--log-level", "warning"]
+    chosen = ["--model", args.model, "--slots", str(slots)]  # what the run's options chose (printed)
     if getattr(args, "threads", None):
-        cmd += ["--threads", str(args.threads)]
+        chosen += ["--threads", str(args.threads)]
     if getattr(args, "activation_bits", None):
-        cmd += ["--activation-bits", str(args.activation_bits)]
+        chosen += ["--activation-bits", str(args.activation_bits)]
+    cmd = chosen + ["--db", str(tmp / "ledger.db"), "--max-queue", str(max(64, 4 * slots)), "--max-context",
+                    str(args.max_context), "--log-level", "warning"]
     server = ServeProcess(cmd, tmp / "server.log")
-    print(f"starting `ultrafast serve {' '.join(cmd[:2] + cmd[4:6] + cmd[12:])}` on port {server.port} (log "
-          f"{server.log})", file=sys.stderr)
+    print(f"starting `ultrafast serve {' '.join(chosen)}` on port {server.port} (log {server.log})", file=sys.stderr)
     server.start()
     try:
         yield server.url + "/v1", _model(server.url, None)
