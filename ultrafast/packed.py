@@ -24,6 +24,19 @@ from . import kernels
 from .model import AttentionCore, RMSNorm, linear_weight_name, swap_module
 
 
+# Q4_K linears of at most this many inputs are read by the VNNI kernels in their own layout (`kernels.repack_q4k`):
+# one weight row a tile, so each row re-reads x, which must stay in L1 (3.6 KB a row at K = 1536). Measured with a
+# 1-thread harness over the kernels (random weights, 2 threads, weights from memory; ns per 128-value product):
+# K = 1536 at k = 1 / 4 / 10 / 16, int8 0.90 / 0.75 / 0.70x of Q4_K's, int16 0.89 / 0.93 / 0.81 / 0.81x; K = 8960
+# (x 21 KB a row) 0.79-0.89x at k = 1 but 1.04-1.43x at k >= 2, so it keeps the file's layout.
+REPACK_MAX_K = 2048
+
+
+def vnni_path() -> bool:
+    """Whether the quantized linears run on the VNNI kernels now (the path is process-wide and may change)."""
+    return kernels.path_in_use().startswith("vnni")
+
+
 class PackedLinear(nn.Module):
     def __init__(self, raw: torch.Tensor, qtype: int, in_features: int, out_features: int, bias=None,
                  act_bits: int = 16):
@@ -37,9 +50,22 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.qtype, self.in_features, self.out_features = int(qtype), in_features, out_features
         self.act_bits = act_bits
+        self.register_buffer("raw_vnni", None, persistent=False)  # the VNNI kernels' layout of raw, once made
+        self._vnni_of: torch.Tensor | None = None  # the raw that raw_vnni was made from
+
+    def weights(self, vnni: bool) -> tuple[torch.Tensor, int]:
+        """The bytes and type id the kernels read (vnni: whether the VNNI kernels run now): the file's, except Q4_K
+        rows of at most REPACK_MAX_K values on the VNNI kernels, read in their own layout, made once from `raw`
+        (which keeps the file's bytes for every other reader and path)."""
+        if not vnni or self.qtype != kernels.Q4_K or self.in_features > REPACK_MAX_K:
+            return self.raw, self.qtype
+        if self.raw_vnni is None or self._vnni_of is not self.raw:
+            self.raw_vnni, self._vnni_of = kernels.repack_q4k(self.raw, self.in_features), self.raw
+        return self.raw_vnni, kernels.Q4_K_R2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.qmatmul(x.contiguous(), self.raw, self.qtype, self.in_features, self.act_bits)
+        w, qtype = self.weights(vnni_path())
+        y = kernels.qmatmul(x.contiguous(), w, qtype, self.in_features, self.act_bits)
         return y if self.bias is None else y + self.bias
 
     def nbytes_per_step(self) -> int:
@@ -80,15 +106,17 @@ class FusedBlock(nn.Module):
         self.tp = tp  # tensor parallelism (tensor_parallel.py): the layer runs as two halves, all-reduced
         lin = [block.get_submodule(n) for n in self.LINEARS]
         self._lin = lin
-        self.qtypes = [m.qtype for m in lin]
         self.act_bits = lin[0].act_bits
         self.biases = [m.bias for m in lin[:3]] if lin[0].bias is not None else []
         att = block.attention
         self.n_heads, self.n_kv_heads, self.head_dim, self.scale = att.n_heads, att.n_kv_heads, att.head_dim, att.scale
 
-    @property
-    def raws(self) -> list[torch.Tensor]:  # read from the linears each call, so rebinding their bytes is seen
-        return [m.raw for m in self._lin]
+    def weights(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The linears' bytes and type ids for the path in use (`PackedLinear.weights`), read each call, so that
+        rebinding their bytes or changing the path is seen."""
+        vnni = vnni_path()
+        w = [m.weights(vnni) for m in self._lin]
+        return [b for b, _ in w], [q for _, q in w]
 
     @staticmethod
     def fusable(block: nn.Module) -> bool:
@@ -100,9 +128,11 @@ class FusedBlock(nn.Module):
         b = self.block
         starts, lens, kcs, vcs = (list(t) for t in zip(*segments))
 
+        raws, qtypes = self.weights()
+
         def run(x, part):
             return kernels.decoder_block(x, starts, lens, b.attention_norm.weight, b.ffn_norm.weight,
-                                         b.attention_norm.eps, self.raws, self.qtypes, self.biases, kcs, vcs,
+                                         b.attention_norm.eps, raws, qtypes, self.biases, kcs, vcs,
                                          cos, sin, self.n_heads, self.n_kv_heads, self.head_dim, self.scale,
                                          self.act_bits, None if tree is None else tree.kernel_args, part)
         if self.tp is None:
@@ -116,13 +146,16 @@ def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16
     then (fuse) each decoder layer with a single-call fused layer over the same packed weights. act_bits: the
     precision of the quantized linears' activations (16, or 8: llama.cpp's)."""
     tensors, c = loaded.tensors, loaded.config
+    vnni = vnni_path()
     for name, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear):
             qt = tensors[linear_weight_name(name, c)]
             bias = tensors[f"{name}.bias"].dequantize() if f"{name}.bias" in tensors else None
             if qt.qtype not in kernels.SUPPORTED_TYPES:
                 continue  # stays a plain linear, filled in by the reference build
-            swap_module(model, name, PackedLinear(qt.raw, qt.qtype, mod.in_features, mod.out_features, bias, act_bits))
+            lin = PackedLinear(qt.raw, qt.qtype, mod.in_features, mod.out_features, bias, act_bits)
+            lin.weights(vnni)  # the VNNI kernels' layout made now, at load (held beside the file's bytes)
+            swap_module(model, name, lin)
         elif isinstance(mod, RMSNorm):
             swap_module(model, name, KernelRMSNorm(tensors[f"{name}.weight"].dequantize(), mod.eps))
         elif isinstance(mod, AttentionCore):

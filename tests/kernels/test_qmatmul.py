@@ -536,3 +536,54 @@ def test_act_bits_errors():
                                uk.qmatmul(x, wf.view(torch.uint8), uk.F32, 64))
         finally:
             uk.set_kernels_path("auto")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Q4_K in the VNNI kernels' own layout (pairs of super-blocks, `repack_q4k`)
+
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_q4k_repacked_same_values(vnni, act_bits):
+    """The repacked rows hold the file's values: the product agrees with the reference like Q4_K's (and with
+    Q4_K's own result to fp32 summation order), for K with an odd last super-block (256: no pair at all; 768,
+    2304: pairs then one in the file's layout) and without (512, 1536)."""
+    for i, k in enumerate([256, 512, 768, 1536, 2304]):
+        raw = random_weight(uk.Q4_K, 29, k, seed=40 + i)
+        r2 = uk.repack_q4k(torch.from_numpy(raw), k)
+        assert r2.shape == raw.shape and r2.dtype == torch.uint8
+        assert torch.equal(r2, torch.from_numpy(raw)) == (k == 256)  # a lone super-block keeps the file's layout
+        x = torch.randn(6, k, generator=torch.Generator().manual_seed(i))
+        y2 = uk.qmatmul(x, r2, uk.Q4_K_R2, k, act_bits=act_bits)
+        y1 = uk.qmatmul(x, torch.from_numpy(raw), uk.Q4_K, k, act_bits=act_bits)
+        w = dequant(raw, uk.Q4_K, k).double()
+        scale = x.double().abs() @ w.abs().T
+        assert ((y2.double() - y1.double()).abs() <= 2e-6 * scale + 1e-30).all(), f"K={k}"
+        xr = _round_int8(x) if act_bits == 8 else x.double()
+        assert ((y2.double() - xr @ w.T).abs() <= (2e-6 if act_bits == 8 else RTOL_VNNI) * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_q4k_repacked_batch_invariant(vnni, act_bits):
+    k_in = 1536
+    raw = uk.repack_q4k(torch.from_numpy(random_weight(uk.Q4_K, 35, k_in, seed=7)), k_in)
+    x = torch.randn(37, k_in, generator=torch.Generator().manual_seed(1))
+    singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, uk.Q4_K_R2, k_in, act_bits=act_bits) for i in range(37)])
+    for k in (2, 3, 5, 8, 9, 16, 37):  # one chunk of rows, several, and the weight-tiled schedule
+        assert torch.equal(uk.qmatmul(x[:k], raw, uk.Q4_K_R2, k_in, act_bits=act_bits), singles[:k]), f"k={k}"
+    assert torch.equal(uk.qmatmul(x[:4], raw[1:], uk.Q4_K_R2, k_in, act_bits=act_bits), singles[:4, 1:])
+    with num_threads(1):
+        assert torch.equal(uk.qmatmul(x[:16], raw, uk.Q4_K_R2, k_in, act_bits=act_bits), singles[:16])
+
+
+def test_q4k_repacked_errors(vnni):
+    raw = torch.from_numpy(random_weight(uk.Q4_K, 4, 512, seed=0))
+    with pytest.raises(ValueError, match="512 Q4_K values take 288"):
+        uk.repack_q4k(raw[:, :200], 512)
+    with pytest.raises(ValueError, match="must be uint8"):
+        uk.repack_q4k(raw.float(), 512)
+    r2 = uk.repack_q4k(raw, 512)
+    uk.set_kernels_path("fp32")  # only the VNNI kernels read the layout
+    try:
+        with pytest.raises(ValueError, match="as does the Q4_K_R2 layout"):
+            uk.qmatmul(torch.randn(2, 512), r2, uk.Q4_K_R2, 512)
+    finally:
+        uk.set_kernels_path("auto")

@@ -22,18 +22,21 @@ import time
 import torch
 
 from .. import kernels
-from ..packed import PackedLinear
+from ..packed import PackedLinear, vnni_path
 
 
 def best_per_call(mods: list[PackedLinear], k: int, reps: int) -> float:
-    """Seconds per k-row product, best of `reps` sweeps over `mods` (one product each)."""
+    """Seconds per k-row product, best of `reps` sweeps over `mods` (one product each), on the bytes the kernels
+    read on the path in use (`PackedLinear.weights`)."""
     x = torch.randn(k, mods[0].in_features)
-    kernels.qmatmul(x, mods[0].raw, mods[0].qtype, mods[0].in_features, mods[0].act_bits)  # threads up, x's buffers
+    vnni = vnni_path()
+    ws = [m.weights(vnni) for m in mods]
+    kernels.qmatmul(x, *ws[0], mods[0].in_features, mods[0].act_bits)  # threads up, x's buffers
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        for m in mods:
-            kernels.qmatmul(x, m.raw, m.qtype, m.in_features, m.act_bits)
+        for m, (w, qtype) in zip(mods, ws):
+            kernels.qmatmul(x, w, qtype, m.in_features, m.act_bits)
         best = min(best, time.perf_counter() - t)
     return best / len(mods)
 
@@ -48,11 +51,11 @@ def layer_linears(model) -> dict[str, list[PackedLinear]]:
     return out
 
 
-def run(model: str, ks: list[int], reps: int = 5, threads: int = 2) -> dict:
+def run(model: str, ks: list[int], reps: int = 5, threads: int = 2, activation_bits: int = 16) -> dict:
     from ..engine import Engine
 
     torch.set_num_threads(threads)
-    engine = Engine.from_model(model, max_context=64)
+    engine = Engine.from_model(model, max_context=64, activation_bits=activation_bits)
     mats = layer_linears(engine.model)
     if not mats:
         raise ValueError(f"{model}: no packed weights (the CPU kernels did not build?)")
@@ -65,7 +68,7 @@ def run(model: str, ks: list[int], reps: int = 5, threads: int = 2) -> dict:
         for k in ks:
             memory = best_per_call(mods, k, reps)
             cached = best_per_call([m] * len(mods), k, reps)
-            rows.append({"linear": name.split(".")[-1], "qtype": m.qtype, "out": m.out_features, "in": m.in_features,
+            rows.append({"linear": name.split(".")[-1], "qtype": m.qtype, "qtype_read": m.weights(vnni_path())[1], "out": m.out_features, "in": m.in_features,
                          "act_bits": m.act_bits, "k": k, "memory_ms": memory * 1e3, "cached_ms": cached * 1e3,
                          "memory_gb_s": m.raw.numel() / memory / 1e9})
     # the peak again after the products, the higher kept: a shared host sometimes holds one of the threads back
@@ -98,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", default="1,2,4,8,16", help="rows per product, comma-separated")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--activation-bits", type=int, choices=(16, 8), default=16,
+                    help="the quantized linears' activations: 16 (default) or 8 (llama.cpp's)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     try:
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
     if any(k < 1 for k in ks) or args.reps < 1 or args.threads < 1:
         ap.error("--ks, --reps and --threads must be positive")
     try:
-        r = run(args.model, ks, args.reps, args.threads)
+        r = run(args.model, ks, args.reps, args.threads, args.activation_bits)
     except (ValueError, FileNotFoundError, PullError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

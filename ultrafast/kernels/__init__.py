@@ -23,7 +23,9 @@ stderr) and later processes reuse the build. The kernel path is chosen at runtim
                    Activations are quantized per row and per block of 32 to int16 (s = max|x|/32639,
                    x = rint(x/s)); the file's quantized weights are multiplied with them in exact integer
                    arithmetic (x as two signed bytes, vpdpbusd), and the fp32 block scales/mins are
-                   applied per block. The weights are still exactly the file's; the int16 rounding of x
+                   applied per block (Q4_K rows of up to 2048 values are read in the kernels' own layout,
+                   `repack_q4k`, made at load: the same values, one fp32 step per 512 of them). The weights
+                   are still exactly the file's; the int16 rounding of x
                    costs ~1e-5 (measured < 3e-5) of sum(|x|*|w|), against ~1e-6 for the fp32 path. Much cheaper per activation row, so
                    verifying k draft tokens costs little more than one. F32/F16/BF16 use the fp32 path.
     "avx512-fp32"  AVX-512 fp32 path (dequantize-in-register + FMA), ~1e-6 of sum(|x|*|w|).
@@ -54,7 +56,7 @@ __all__ = [
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "SUPPORTED_TYPES",
     "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
     "avx512_active", "vnni_supported", "set_force_scalar", "KernelBuildError", "decoder_block", "path_in_use", "set_kernels_path",
-    "multiply_peak", "MultiplyPeak", "fma_peak",
+    "multiply_peak", "MultiplyPeak", "fma_peak", "Q4_K_R2", "repack_q4k",
 ]
 
 # GGML type ids (gguf.GGMLQuantizationType)
@@ -67,6 +69,8 @@ _BLOCKS = {
     Q4_K: (256, 144), Q6_K: (256, 210),
 }
 SUPPORTED_TYPES = frozenset(_BLOCKS)
+# Not a GGML type: Q4_K's bytes laid out for the VNNI kernels (`repack_q4k`); only that path reads it.
+Q4_K_R2 = 112
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ["qmatmul.cpp", "kernel_variant.cpp", "decoder_layer.cpp", "scalar.cpp", "qmatmul_avx512.cpp",
@@ -309,6 +313,16 @@ def qmatmul(x: torch.Tensor, w: torch.Tensor, qtype: int, in_features: int, act_
         raise ValueError("x must be [k, in_features], got a scalar")
     y = ext.qmatmul(x.reshape(-1, x.shape[-1]), w, qtype, in_features, act_bits)
     return y.view(*x.shape[:-1], y.shape[1])
+
+
+def repack_q4k(w: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Q4_K rows (uint8 [rows, in_features / 256 * 144]) laid out for the VNNI kernels, type id `Q4_K_R2`: the same
+    values, each pair of super-blocks with its 16 sub-blocks on the 16 lanes of a vector, so that one fp32 step
+    covers 512 values and the nibbles need no permute (see qmatmul_vnni.cpp, KQ4K2). A new tensor; the rows'
+    outputs differ from Q4_K's only in the order of the fp32 adds."""
+    if not isinstance(w, torch.Tensor):
+        raise _not_tensor("w", w)
+    return _ext_or_load().repack_q4k(w, int(in_features))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -18,6 +18,8 @@ static inline void prefetch_l2(const uint8_t* p, int64_t bytes) {
 enum QType : int {
   QT_F32 = 0, QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q8_0 = 8,
   QT_Q4_K = 12, QT_Q6_K = 14, QT_BF16 = 30,
+  // not a GGML type: Q4_K's bytes repacked for the VNNI kernels in pairs of super-blocks (qmm_repack_vnni)
+  QT_Q4_K_R2 = 112,
 };
 
 // Values and bytes per block of a GGML type (F32/F16/BF16: one value per "block").
@@ -37,6 +39,7 @@ static inline bool type_info(int qtype, TypeInfo* ti) {
     case QT_Q8_0: *ti = {32, 34, "Q8_0"}; return true;
     case QT_Q4_K: *ti = {256, 144, "Q4_K"}; return true;
     case QT_Q6_K: *ti = {256, 210, "Q6_K"}; return true;
+    case QT_Q4_K_R2: *ti = {256, 144, "Q4_K_R2"}; return true;  // the VNNI kernels' layout of Q4_K
     default: return false;
   }
 }
@@ -112,6 +115,9 @@ bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uin
 // The multiply limit, measured: n iterations of 12 independent vpdpbusd chains (12 * n instructions, each 64
 // u8 x s8 multiply-adds) on the calling thread; the rate the units sustain, not one chain's latency. Returns a
 // value derived from the sums so the work cannot be dropped.
+// Q4_K rows [rows, K / 256 * 144] -> the same bytes laid out as QT_Q4_K_R2 (pairs of super-blocks; an odd last one
+// as it is)
+void qmm_repack_vnni(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K);
 int64_t vnni_dpbusd_chains(int64_t n);
 // The kernels' own arithmetic at full rate: n iterations of 12 independent K-quant groups of 256 values (two
 // 128-value products each), each the instructions kblock issues for one (weight row, activation row, group)

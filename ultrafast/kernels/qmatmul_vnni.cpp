@@ -21,16 +21,19 @@
 //
 // Lane layout. A "group" is the values one fp step covers: 128 values, 4 blocks of 32, for the 32-value-block
 // types; a super-block of 256 values for Q4_K (8 sub-blocks of 32, see KQ4K) and Q6_K (16 scale groups of 16,
-// see KQ6K). Its weights are decoded into NVEC byte vectors (2; the K-quants 4) in which each int32 lane only
-// ever holds values of one block, so after the dot products int32 lanes 4i..4i+3 hold partial sums of block
-// bm(i) (Q4_K: lanes 2m, 2m+1 sub-block sb_of(m); Q6_K: lane 4i+s scale group 4s+i). The activation prep
-// writes xh and xl in exactly that order, with per-lane vectors of s_b, the integer offsets (one lane per
-// block) and s_b * xsum_b (one lane per block).
+// see KQ6K), and two super-blocks (512 values) for Q4_K repacked at load into this file's own layout
+// (QT_Q4_K_R2, see KQ4K2: one lane per sub-block, the nibbles already in lane order). Its weights are decoded into
+// NVEC byte vectors (2; the K-quants 4; KQ4K2 8) in which each int32 lane only ever holds values of one block, so
+// after the dot products int32 lanes 4i..4i+3 hold partial sums of block bm(i) (Q4_K: lanes 2m, 2m+1 sub-block
+// sb_of(m); Q6_K: lane 4i+s scale group 4s+i; KQ4K2: lane l sub-block l). The activation prep writes xh and xl
+// in exactly that order, with per-lane vectors of s_b, the integer offsets (one lane per block) and s_b * xsum_b
+// (one lane per block).
 //
 // Batch invariance: every output y[r][n] is one fixed sequence of operations that depends only on
 // (qtype, K, weight row n, activation row r): per group the integer dot products (exact, in any order),
 // one convert, one mul (d_w * s), one fma into the output's accumulator, then (Q4_1) one fma for the mins;
-// groups in order; (Q4_K) after a super-block's two groups one fma for its mins; at the end a fixed
+// groups in order; (Q4_K) after each group one fnmadd for its mins (KQ4K2: a row's odd last super-block then
+// runs as a KQ4K group into the same accumulator); at the end a fixed
 // horizontal sum. The tile size R, the row range and the thread never change that sequence; the unit is
 // built with -ffp-contract=off.
 // When weight rows are read whole (decode, verification) the weight stream is also prefetched ahead, into L1
@@ -173,6 +176,7 @@ struct K32 {
   // Q8_0's signed weights are multiplied as unsigned q + 128 (vpdpbusd's unsigned operand): -128 * xsum
   static constexpr int IOFF = QT == QT_Q4_0 ? -8 : QT == QT_Q5_0 ? -16 : QT == QT_Q8_0 ? -128 : 0;
   static constexpr int MINS = QT == QT_Q4_1 ? 1 : 0;
+  static constexpr bool TAIL_K = false;
   using X = XG;
   static UF_INLINE int bm(int i) { return i; }
   struct Ctx {};
@@ -234,6 +238,7 @@ struct KQ4K {
   // mins once per super-block: ctx.m (dmin * m of sub-block sb_of(m) on lanes 2m, 2m + 1) against the x vector
   // xsf (s_b * xsum_b on lane 2m, 0 on 2m + 1)
   static constexpr int IOFF = 0, MINS = -1;
+  static constexpr bool TAIL_K = false;
   using X = XGN<4>;
   static UF_INLINE int sb_of(int m) { return m < 4 ? 2 * m : 2 * (m - 4) + 1; }
   // Prepared x (see prep_row_k): vector v, 64-bit lane m, byte j holds value 8v + j of sub-block sb_of(m); s_b on
@@ -291,6 +296,50 @@ struct KQ4K {
   }
 };
 
+// Q4_K repacked in pairs of super-blocks (QT_Q4_K_R2, `qmm_repack_vnni`): kernel block = group = two super-blocks
+// (512 values, 288 bytes: the two 16-byte headers of d, dmin and the 6-bit scales as in the file, then 256 bytes of
+// nibbles). Each int32 lane l holds one sub-block for the whole group (lanes 0..7: sub-blocks 0..7 of the first
+// super-block, 8..15 of the second), so the 16 dot products of the group (int8 x: 8) end in one fp step for 512
+// values, and the weight decode is 4 loads, each split into its low and high nibbles: byte 4l + j of nibble
+// chunk u holds value 8u + j of lane l's sub-block (low nibble, weight vector 2u) and value 8u + 4 + j (high
+// nibble, vector 2u + 1). A row with an odd number of super-blocks keeps its last one in the file's layout (KQ4K).
+struct KQ4K2 {
+  static constexpr int NVEC = 8, GV = 512, GPK = 1, KB = 512, KBYTES = 288, UNIT = 512, UNIT_BYTES = 288;
+  static constexpr int IOFF = 0, MINS = -1;
+  static constexpr bool TAIL_K = true;  // an odd last super-block: KQ4K's
+  using X = XGN<8>;
+  // Prepared x: vector v, int32 lane l, byte j holds value 4v + j of sub-block l % 8 of super-block l / 8; s_b and
+  // s_b * xsum_b of that sub-block on lane l.
+  template <bool X8>
+  static void stage(const int16_t* q, const float* sb, const int32_t* sum, GroupStage<8, X8>& st) {
+    for (int l = 0; l < 16; ++l) {
+      for (int v = 0; v < 8; ++v)
+        for (int j = 0; j < 4; ++j) st.put(v, 4 * l + j, q[32 * l + 4 * v + j]);
+      st.s[l] = sb[l];
+      st.xsf[l] = sb[l] * (float)sum[l];
+    }
+  }
+  struct Ctx {
+    __m512 d, m;
+  };
+  static UF_INLINE Ctx context(const uint8_t* p) {
+    const __m512 a = KQ4K::scales(p), b = KQ4K::scales(p + 16);  // [d*sc0..7, dmin*m0..7] of each
+    return {_mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23), b),
+            _mm512_permutex2var_ps(a, _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31), b)};
+  }
+  static UF_INLINE void decode(const uint8_t* p, int, const Ctx& ctx, __m512i* W, __m512& dvec, __m512& mvec) {
+    dvec = ctx.d;
+    mvec = _mm512_setzero_ps();
+    const __m512i m0f = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      const __m512i Q = _mm512_loadu_si512(p + 32 + 64 * u);
+      W[2 * u] = _mm512_and_si512(Q, m0f);
+      W[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(Q, 4), m0f);
+    }
+  }
+};
+
 // Q6_K: kernel block = group = super-block of 256 (210 bytes): 16 scale groups of 16, one int32 lane each.
 // Per half h the 6-bit values are decoded into byte vectors A (values 0..63 of the half) and B (64..127), one
 // scale group per 128-bit lane; a 4 x 4 transpose of 32-bit pieces within each 128-bit lane across A0, B0, A1,
@@ -300,6 +349,7 @@ struct KQ4K {
 struct KQ6K {
   static constexpr int NVEC = 4, GV = 256, GPK = 1, KB = 256, KBYTES = 210, UNIT = 256, UNIT_BYTES = 210;
   static constexpr int IOFF = -32, MINS = 0;
+  static constexpr bool TAIL_K = false;
   using X = XGN<4>;
   // Prepared x (see prep_row_k): vector v, 128-bit lane i, bytes 4t..4t+3 hold values 64t + 16i + 4v .. +3
   // (scale group 4t + i); its s_b, and -32 * its integer sum, on int32 lane 4i + t.
@@ -385,6 +435,29 @@ void prep_row_k(const float* x, uint8_t* out, int64_t S0, int64_t S1) {
   }
 }
 
+// Q4_K in pairs (KQ4K2): unit G < K / 512 is the pair of super-blocks 2G, 2G + 1; an odd last super-block is
+// one more unit, laid out for KQ4K after the pairs.
+template <bool X8>
+void prep_row_k2(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1) {
+  const int64_t npairs = K / 512;
+  for (int64_t G = G0; G < G1; ++G) {
+    int16_t q[512];
+    float sb[16];
+    int32_t sum[16];
+    if (G < npairs) {
+      for (int b = 0; b < 16; ++b) sb[b] = quant32<X8>(x + 512 * G + 32 * b, q + 32 * b, &sum[b]);
+      GroupStage<8, X8> st;
+      KQ4K2::stage(q, sb, sum, st);
+      st.store(reinterpret_cast<XGN<8>*>(out + G * sizeof(XGN<8>)));
+    } else {
+      for (int b = 0; b < 8; ++b) sb[b] = quant32<X8>(x + 512 * G + 32 * b, q + 32 * b, &sum[b]);
+      GroupStage<4, X8> st;
+      KQ4K::stage(q, sb, sum, st);
+      st.store(reinterpret_cast<XGN<4>*>(out + npairs * sizeof(XGN<8>)));
+    }
+  }
+}
+
 // ---- driver -----------------------------------------------------------------------------------------
 
 // The register tile: NW weight rows x R activation rows. Each group's decoded weight vectors feed R
@@ -394,11 +467,22 @@ void prep_row_k(const float* x, uint8_t* out, int64_t S0, int64_t S1) {
 // R_MAX (verification, batched decode), NW_MAX x 1 (decode: independent chains across weight rows), and
 // NW = 1 for the last row of an odd range. The tile never changes an output's arithmetic (see below).
 constexpr int NW_MAX = 2, R_MAX = 4;
+// The tile of a type: eight weight vectors a row (KQ4K2) leave registers for one weight row and up to R2_MAX
+// activation rows (1-thread harness, Q4_K 512 x 1536 repacked, int8, k = 10 / 16: R 4 1.28 / 1.26, R 6 1.12 / 1.16,
+// R 8 1.12 / 1.07 ns per 128-value product).
+constexpr int R2_MAX = 8;
+template <class T> inline constexpr int kTileW = T::NVEC > 4 ? 1 : NW_MAX;
+template <class T> inline constexpr int kTileR = T::NVEC > 4 ? R2_MAX : R_MAX;
 // Up to this many bytes of prepared x, every tile of weight rows is read whole against all activation rows
 // (x stays in L2); more (prefill) takes the weight-tiled schedule (see rows()). Measured on the 1.5B's down
 // projection (Q6_K, K = 8960, 31 KB of x per row), 1 thread: k = 16 (500 KB) whole rows 8.7 cycles per
 // 128-value product against 10.7 for the K-panelled schedule used before; k = 24 (750 KB) 9.2 against 10.7.
 constexpr int64_t WHOLE_ROWS_X = 768 * 1024;
+// With one weight row a tile (KQ4K2) every weight row re-reads all rows' x, which must then stay in L1 (32 KB on
+// Zen 4): whole rows up to this many bytes of x, else the weight-tiled schedule. Measured on Q4_K 8960 x 1536
+// repacked, 2 threads, int16, k = 10 / 16: 2.01 / 2.65 ns per 128-value product with whole rows at any size, 1.70 /
+// 1.64 with this bound.
+constexpr int64_t WHOLE_ROWS_X1 = 24 * 1024;
 
 // One fp32 accumulator per (weight row, activation row). Every tile holds at least two independent outputs
 // (NW_MAX weight rows, or several activation rows), and a group's integer products take several times the
@@ -529,7 +613,11 @@ __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t rb, int
     }
     kblock<T, NW, R, X8>(p, rb, xg + b * XB, ldx, acc);
   }
-  if (nfull * T::KB < K) partial_kblock<T, NW, R, X8>(wr, rb, K, xg, ldx, acc);
+  if constexpr (T::TAIL_K) {  // an odd last super-block, in the file's layout
+    if (nfull * T::KB < K) kblock<KQ4K, NW, R, X8>(wr + nfull * T::KBYTES, rb, xg + nfull * XB, ldx, acc);
+  } else if (nfull * T::KB < K) {
+    partial_kblock<T, NW, R, X8>(wr, rb, K, xg, ldx, acc);
+  }
 #pragma GCC unroll 4
   for (int w = 0; w < NW; ++w)
 #pragma GCC unroll 8
@@ -560,12 +648,12 @@ UF_INLINE int64_t run_tile(const uint8_t* xg, int64_t ldx, int64_t r0, int64_t r
                            int64_t rb, float* y, int64_t ldy, int64_t n, int64_t ne, bool far) {
   auto go = [&](auto NWc) {
     constexpr int NW = decltype(NWc)::value;
-    with_rows<1, R_MAX>(rr, [&](auto R) {
+    with_rows<1, kTileR<T>>(rr, [&](auto R) {
       run<T, NW, decltype(R)::value, X8>(w + n * rb, rb, K, xg + r0 * ldx, ldx, y + r0 * ldy + n, ldy, far);
     });
     return (int64_t)NW;
   };
-  return ne - n >= NW_MAX ? go(Rows<NW_MAX>{}) : go(Rows<1>{});
+  return ne - n >= kTileW<T> ? go(Rows<kTileW<T>>{}) : go(Rows<1>{});
 }
 
 // Weight rows [n0, n1), two schedules of the same run() (so every output gets the same operations in the same
@@ -580,8 +668,11 @@ UF_INLINE int64_t run_tile(const uint8_t* xg, int64_t ldx, int64_t r0, int64_t r
 template <class T, bool X8>
 bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
           int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t nch = (k + R_MAX - 1) / R_MAX, per = (k + nch - 1) / nch;  // activation rows per chunk
-  if (k <= 2 * R_MAX || k * ldx <= WHOLE_ROWS_X) {  // all rows' x stays in L2: whole rows, chunks of <= R_MAX rows
+  constexpr int RT = kTileR<T>;
+  const int64_t nch = (k + RT - 1) / RT, per = (k + nch - 1) / nch;  // activation rows per chunk
+  // one weight row a tile (KQ4K2) loads x for each row: whole rows only while all of x stays in L1
+  const bool whole = kTileW<T> == 1 ? k * ldx <= WHOLE_ROWS_X1 : (k <= 2 * RT || k * ldx <= WHOLE_ROWS_X);
+  if (whole) {  // all rows' x stays in L2 (L1): whole rows, chunks of <= kTileR rows
     const bool far = (n1 - n0) * rb >= PF_FAR_MIN;
     for (int64_t n = n0, step = 0; n < n1; n += step)
       for (int64_t r0 = 0; r0 < k; r0 += per)
@@ -604,6 +695,8 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
 
 template <class T>
 int64_t row_bytes_x(int64_t K) {
+  if constexpr (T::TAIL_K)
+    return K / T::KB * (int64_t)sizeof(typename T::X) + (K % T::KB ? (int64_t)sizeof(XGN<4>) : 0);
   const int64_t nkb = (K + T::KB - 1) / T::KB;
   return nkb * T::GPK * (int64_t)sizeof(typename T::X);
 }
@@ -617,6 +710,7 @@ int64_t row_bytes_x(int64_t K) {
     case QT_Q5_0: { using T = K32<QT_Q5_0>; CALL; break; }  \
     case QT_Q8_0: { using T = K32<QT_Q8_0>; CALL; break; }  \
     case QT_Q4_K: { using T = KQ4K; CALL; break; }          \
+    case QT_Q4_K_R2: { using T = KQ4K2; CALL; break; }      \
     case QT_Q6_K: { using T = KQ6K; CALL; break; }          \
     default: break;                                         \
   }
@@ -631,7 +725,7 @@ bool vnni_usable() {
 
 bool qmm_vnni_supports(int qtype) {
   switch (qtype) {
-    case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q8_0: case QT_Q4_K: case QT_Q6_K: return true;
+    case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q8_0: case QT_Q4_K: case QT_Q6_K: case QT_Q4_K_R2: return true;
     default: return false;
   }
 }
@@ -643,6 +737,7 @@ int64_t qmm_prep_bytes_vnni(int qtype, int64_t K) {
 }
 
 int64_t qmm_prep_units_vnni(int qtype, int64_t K) {
+  if (qtype == QT_Q4_K_R2) return (K + 511) / 512;
   return qtype == QT_Q6_K || qtype == QT_Q4_K ? K / 256 : (K / 32 + 3) / 4;
 }
 
@@ -651,6 +746,7 @@ void prep_range(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, i
   switch (qtype) {
     case QT_Q6_K: prep_row_k<KQ6K, X8>(x, xg, G0, G1); break;
     case QT_Q4_K: prep_row_k<KQ4K, X8>(x, xg, G0, G1); break;
+    case QT_Q4_K_R2: prep_row_k2<X8>(x, K, xg, G0, G1); break;
     case QT_Q4_0: prep_row32<K32<QT_Q4_0>, X8>(x, K, xg, G0, G1); break;
     case QT_Q4_1: prep_row32<K32<QT_Q4_1>, X8>(x, K, xg, G0, G1); break;
     case QT_Q5_0: prep_row32<K32<QT_Q5_0>, X8>(x, K, xg, G0, G1); break;
@@ -749,3 +845,30 @@ int64_t vnni_product_chains(int64_t, bool) { return 0; }
 }  // namespace ultrafast
 
 #endif
+
+// The layout of QT_Q4_K_R2 (see KQ4K2), plain C++ (no vector instructions): made once per weight, at load.
+namespace ultrafast {
+
+void qmm_repack_vnni(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K) {
+  const int64_t rb = K / 256 * 144, npairs = K / 512;
+  for (int64_t n = 0; n < rows; ++n) {
+    const uint8_t* r = src + n * rb;
+    uint8_t* o = dst + n * rb;
+    for (int64_t P = 0; P < npairs; ++P) {
+      const uint8_t* s = r + P * 288;
+      uint8_t* d = o + P * 288;
+      for (int i = 0; i < 16; ++i) d[i] = s[i], d[16 + i] = s[144 + i];  // the two headers as they are
+      for (int l = 0; l < 16; ++l) {
+        const uint8_t* qs = s + 144 * (l / 8) + 16;
+        const int sb = l % 8;
+        // value i of sub-block sb: qs byte 32 * (sb / 2) + i, low nibble for even sb, high for odd
+        auto val = [&](int i) { return (qs[32 * (sb / 2) + i] >> (4 * (sb % 2))) & 15; };
+        for (int u = 0; u < 4; ++u)
+          for (int j = 0; j < 4; ++j) d[32 + 64 * u + 4 * l + j] = (uint8_t)(val(8 * u + j) | val(8 * u + 4 + j) << 4);
+      }
+    }
+    for (int64_t i = npairs * 288; i < rb; ++i) o[i] = r[i];  // an odd last super-block as it is
+  }
+}
+
+}  // namespace ultrafast

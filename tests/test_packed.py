@@ -1,0 +1,65 @@
+"""The packed transform's linears (`ultrafast/packed.py`): which bytes the kernels read on each path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ultrafast import kernels
+from ultrafast.dequant import dequantize
+from ultrafast.packed import REPACK_MAX_K, PackedLinear, vnni_path
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the packed linears run the C++ kernels")
+
+
+def _q4k(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Random Q4_K rows (gguf cannot quantize to Q4_K): random nibbles and 6-bit scales, small fp16 d and dmin."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    raw[:, :, 0:4] = np.frombuffer(np.array([0.01, 0.002], dtype=np.float16).tobytes(), dtype=np.uint8)
+    return torch.from_numpy(raw.reshape(rows, -1).copy())
+
+
+@pytest.fixture
+def vnni():
+    if not kernels.load().vnni_supported():
+        pytest.skip("CPU without AVX512-VNNI")
+    kernels.set_kernels_path("auto")
+    yield
+    kernels.set_kernels_path("auto")
+
+
+def test_q4k_read_repacked_on_the_vnni_path_only(vnni):
+    lin = PackedLinear(_q4k(24, 1536), kernels.Q4_K, 1536, 24)
+    x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(0))
+    assert vnni_path()
+    w, qt = lin.weights(True)
+    assert qt == kernels.Q4_K_R2 and w.shape == lin.raw.shape and not torch.equal(w, lin.raw)
+    assert lin.weights(True)[0] is w  # made once
+    y_vnni = lin(x)
+    assert torch.equal(y_vnni, kernels.qmatmul(x, w, kernels.Q4_K_R2, 1536))
+    # the file's bytes stay in `raw`, for every other reader and path
+    ref = x.double() @ dequantize(lin.raw, kernels.Q4_K, 1536).double().T
+    scale = x.double().abs() @ dequantize(lin.raw, kernels.Q4_K, 1536).double().abs().T
+    assert ((y_vnni.double() - ref).abs() <= 1e-4 * scale).all()
+    kernels.set_kernels_path("fp32")
+    assert not vnni_path()
+    assert lin.weights(False) == (lin.raw, kernels.Q4_K)
+    assert ((lin(x).double() - ref).abs() <= 1e-5 * scale).all()
+
+
+def test_rebound_bytes_are_repacked_again(vnni):
+    lin = PackedLinear(_q4k(8, 512, seed=1), kernels.Q4_K, 512, 8)
+    first = lin.weights(True)[0]
+    lin.raw = _q4k(8, 512, seed=2)
+    second = lin.weights(True)[0]
+    assert second is not first and torch.equal(second, kernels.repack_q4k(lin.raw, 512))
+
+
+def test_wide_q4k_and_other_types_keep_the_files_layout(vnni):
+    wide = PackedLinear(_q4k(4, REPACK_MAX_K + 256), kernels.Q4_K, REPACK_MAX_K + 256, 4)
+    assert wide.weights(True) == (wide.raw, kernels.Q4_K)
+    raw = torch.zeros(4, kernels.row_bytes(kernels.Q8_0, 512), dtype=torch.uint8)
+    q8 = PackedLinear(raw, kernels.Q8_0, 512, 4)
+    assert q8.weights(True) == (q8.raw, kernels.Q8_0)
