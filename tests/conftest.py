@@ -60,3 +60,15 @@ def tiny_head(smollm_path, tmp_path_factory):
     report = train_draft(str(smollm_path), recipe, out=d / "head.pt", work_dir=d / "work", stream=io.StringIO(),
                          conversations=docstring_conversations())
     return report, d / "head.pt"
+
+
+@pytest.fixture
+def vnni():
+    """The AVX512-VNNI kernels as the path in use (skips on CPUs without them), the default path again after."""
+    from ultrafast import kernels
+
+    if not kernels.available() or not kernels.load().vnni_supported():
+        pytest.skip("CPU without AVX512-VNNI")
+    kernels.set_kernels_path("auto")
+    yield
+    kernels.set_kernels_path("auto")

@@ -21,15 +21,6 @@ def _q4k(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(rows, -1).copy())
 
 
-@pytest.fixture
-def vnni():
-    if not kernels.load().vnni_supported():
-        pytest.skip("CPU without AVX512-VNNI")
-    kernels.set_kernels_path("auto")
-    yield
-    kernels.set_kernels_path("auto")
-
-
 def test_q4k_read_repacked_on_the_vnni_path_only(vnni):
     lin = PackedLinear(_q4k(24, 1536), kernels.Q4_K, 1536, 24)
     x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(0))

@@ -484,14 +484,6 @@ def _round_int8(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * s.double()).reshape(x.shape)
 
 
-@pytest.fixture
-def vnni():
-    if not uk.load().vnni_supported():
-        pytest.skip("CPU without AVX512-VNNI")
-    uk.set_kernels_path("auto")
-    yield
-
-
 @pytest.mark.parametrize("qtype", sorted(QUANT_TYPES), ids=lambda t: NAMES[t])
 def test_int8_activations_are_exact_products_of_the_rounded_x(vnni, qtype):
     """With act_bits=8 the only approximation is x rounded to int8 per block of 32: the output equals
