@@ -24,14 +24,6 @@ from . import kernels
 from .model import AttentionCore, RMSNorm, linear_weight_name, swap_module
 
 
-# Q4_K linears of at most this many inputs are read by the VNNI kernels in their own layout (`kernels.repack_q4k`):
-# one weight row a tile, so each row re-reads x, which must stay in L1 (3.6 KB a row at K = 1536). Measured with a
-# 1-thread harness over the kernels (random weights, 2 threads, weights from memory; ns per 128-value product):
-# K = 1536 at k = 1 / 4 / 10 / 16, int8 0.90 / 0.75 / 0.70x of Q4_K's, int16 0.89 / 0.93 / 0.81 / 0.81x; K = 8960
-# (x 21 KB a row) 0.79-0.89x at k = 1 but 1.04-1.43x at k >= 2, so it keeps the file's layout.
-REPACK_MAX_K = 2048
-
-
 def vnni_path() -> bool:
     """Whether the quantized linears run on the VNNI kernels now (the path is process-wide and may change)."""
     return kernels.path_in_use().startswith("vnni")
@@ -55,9 +47,9 @@ class PackedLinear(nn.Module):
 
     def weights(self, vnni: bool) -> tuple[torch.Tensor, int]:
         """The bytes and type id the kernels read (vnni: whether the VNNI kernels run now): the file's, except Q4_K
-        rows of at most REPACK_MAX_K values on the VNNI kernels, read in their own layout, made once from `raw`
-        (which keeps the file's bytes for every other reader and path)."""
-        if not vnni or self.qtype != kernels.Q4_K or self.in_features > REPACK_MAX_K:
+        on the VNNI kernels, read in their own layout (`kernels.repack_q4k`: one fp32 step per 512 values, no nibble
+        permutes), made once from `raw` (which keeps the file's bytes for every other reader and path)."""
+        if not vnni or self.qtype != kernels.Q4_K:
             return self.raw, self.qtype
         if self.raw_vnni is None or self._vnni_of is not self.raw:
             self.raw_vnni, self._vnni_of = kernels.repack_q4k(self.raw, self.in_features), self.raw

@@ -23,8 +23,8 @@ stderr) and later processes reuse the build. The kernel path is chosen at runtim
                    Activations are quantized per row and per block of 32 to int16 (s = max|x|/32639,
                    x = rint(x/s)); the file's quantized weights are multiplied with them in exact integer
                    arithmetic (x as two signed bytes, vpdpbusd), and the fp32 block scales/mins are
-                   applied per block (Q4_K rows of up to 2048 values are read in the kernels' own layout,
-                   `repack_q4k`, made at load: the same values, one fp32 step per 512 of them). The weights
+                   applied per block (Q4_K is read in the kernels' own layout, `repack_q4k`, made at load:
+                   the same values, one fp32 step per 512 of them). The weights
                    are still exactly the file's; the int16 rounding of x
                    costs ~1e-5 (measured < 3e-5) of sum(|x|*|w|), against ~1e-6 for the fp32 path. Much cheaper per activation row, so
                    verifying k draft tokens costs little more than one. F32/F16/BF16 use the fp32 path.

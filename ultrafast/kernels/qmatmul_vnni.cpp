@@ -467,22 +467,22 @@ void prep_row_k2(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1
 // R_MAX (verification, batched decode), NW_MAX x 1 (decode: independent chains across weight rows), and
 // NW = 1 for the last row of an odd range. The tile never changes an output's arithmetic (see below).
 constexpr int NW_MAX = 2, R_MAX = 4;
-// The tile of a type: eight weight vectors a row (KQ4K2) leave registers for one weight row and up to R2_MAX
-// activation rows (1-thread harness, Q4_K 512 x 1536 repacked, int8, k = 10 / 16: R 4 1.28 / 1.26, R 6 1.12 / 1.16,
-// R 8 1.12 / 1.07 ns per 128-value product).
+// KQ4K2's eight weight vectors a row also allow a tile of one weight row x up to R2_MAX activation rows, which
+// pays where the chunks' x stays in L1 (see rows()). Measured with a harness over these kernels (random Q4_K, 2
+// threads, weights from memory; time against the file's layout), 8960 x 1536, int8, k = 1 / 4 / 10 / 16: 2 x 4 tile
+// 0.80 / 0.87 / 0.83 / 0.87, 1 x 8 tile 0.88 / 0.92 / 0.74 / 0.72; 1536 x 8960 (x 21 KB a row): 2 x 4 0.71 / 0.80 /
+// 0.80 / 0.78, 1 x 8 0.81 / 1.11 / 1.05 / 1.06.
 constexpr int R2_MAX = 8;
-template <class T> inline constexpr int kTileW = T::NVEC > 4 ? 1 : NW_MAX;
-template <class T> inline constexpr int kTileR = T::NVEC > 4 ? R2_MAX : R_MAX;
 // Up to this many bytes of prepared x, every tile of weight rows is read whole against all activation rows
 // (x stays in L2); more (prefill) takes the weight-tiled schedule (see rows()). Measured on the 1.5B's down
 // projection (Q6_K, K = 8960, 31 KB of x per row), 1 thread: k = 16 (500 KB) whole rows 8.7 cycles per
 // 128-value product against 10.7 for the K-panelled schedule used before; k = 24 (750 KB) 9.2 against 10.7.
 constexpr int64_t WHOLE_ROWS_X = 768 * 1024;
 // With one weight row a tile (KQ4K2) every weight row re-reads all rows' x, which must then stay in L1 (32 KB on
-// Zen 4): whole rows up to this many bytes of x, else the weight-tiled schedule. Measured on Q4_K 8960 x 1536
-// repacked, 2 threads, int16, k = 10 / 16: 2.01 / 2.65 ns per 128-value product with whole rows at any size, 1.70 /
-// 1.64 with this bound.
-constexpr int64_t WHOLE_ROWS_X1 = 24 * 1024;
+// Zen 4): that tile only where a chunk's x fits L1_X, and whole rows up to WHOLE_ROWS_X1 bytes of x, else the
+// weight-tiled schedule. Measured on Q4_K 8960 x 1536 repacked, 2 threads, int16, k = 10 / 16: 2.01 / 2.65 ns per
+// 128-value product with whole rows at any size, 1.70 / 1.64 with this bound.
+constexpr int64_t WHOLE_ROWS_X1 = 24 * 1024, L1_X = 32 * 1024;
 
 // One fp32 accumulator per (weight row, activation row). Every tile holds at least two independent outputs
 // (NW_MAX weight rows, or several activation rows), and a group's integer products take several times the
@@ -643,17 +643,17 @@ UF_INLINE void with_rows(int64_t rr, F&& f) {
 
 // run() on the widest weight tile that fits the weight rows [n, ne) left (NW_MAX, or 1 for the last of an odd
 // range) against activation rows [r0, r0 + rr), rr <= R_MAX; returns the number of weight rows done.
-template <class T, bool X8>
+template <class T, int NWT, int RT, bool X8>
 UF_INLINE int64_t run_tile(const uint8_t* xg, int64_t ldx, int64_t r0, int64_t rr, int64_t K, const uint8_t* w,
                            int64_t rb, float* y, int64_t ldy, int64_t n, int64_t ne, bool far) {
   auto go = [&](auto NWc) {
     constexpr int NW = decltype(NWc)::value;
-    with_rows<1, kTileR<T>>(rr, [&](auto R) {
+    with_rows<1, RT>(rr, [&](auto R) {
       run<T, NW, decltype(R)::value, X8>(w + n * rb, rb, K, xg + r0 * ldx, ldx, y + r0 * ldy + n, ldy, far);
     });
     return (int64_t)NW;
   };
-  return ne - n >= kTileW<T> ? go(Rows<kTileW<T>>{}) : go(Rows<1>{});
+  return ne - n >= NWT ? go(Rows<NWT>{}) : go(Rows<1>{});
 }
 
 // Weight rows [n0, n1), two schedules of the same run() (so every output gets the same operations in the same
@@ -665,18 +665,17 @@ UF_INLINE int64_t run_tile(const uint8_t* xg, int64_t ldx, int64_t r0, int64_t r
 //   chunk of R_MAX activation rows. (A K-panelled schedule that kept the partial sums of all rows in memory
 //   between panels ran at 12.6-14.7 cycles per 128-value product on the 1.5B's shapes at k = 512; this one
 //   at 8.7-10.4, 1 thread.)
-template <class T, bool X8>
-bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
-          int64_t ldy, int64_t n0, int64_t n1) {
-  constexpr int RT = kTileR<T>;
+// The schedule below with tiles of NWT weight rows x up to RT activation rows; whole: rows read whole (else the
+// weight-tiled schedule).
+template <class T, int NWT, int RT, bool X8>
+bool schedule(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
+              int64_t ldy, int64_t n0, int64_t n1, bool whole) {
   const int64_t nch = (k + RT - 1) / RT, per = (k + nch - 1) / nch;  // activation rows per chunk
-  // one weight row a tile (KQ4K2) loads x for each row: whole rows only while all of x stays in L1
-  const bool whole = kTileW<T> == 1 ? k * ldx <= WHOLE_ROWS_X1 : (k <= 2 * RT || k * ldx <= WHOLE_ROWS_X);
-  if (whole) {  // all rows' x stays in L2 (L1): whole rows, chunks of <= kTileR rows
+  if (whole) {  // all rows' x stays in L2 (L1): whole rows, chunks of <= RT rows
     const bool far = (n1 - n0) * rb >= PF_FAR_MIN;
     for (int64_t n = n0, step = 0; n < n1; n += step)
       for (int64_t r0 = 0; r0 < k; r0 += per)
-        step = run_tile<T, X8>(xg, ldx, r0, k - r0 < per ? k - r0 : per, K, w, rb, y, ldy, n, n1, far);
+        step = run_tile<T, NWT, RT, X8>(xg, ldx, r0, k - r0 < per ? k - r0 : per, K, w, rb, y, ldy, n, n1, far);
     return true;
   }
   // Prefill: tiles of weight rows of about TILE_BYTES (streamed from memory once, then kept in L2), each
@@ -688,9 +687,23 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
     const int64_t ne = nt + G < n1 ? nt + G : n1;
     for (int64_t r0 = 0; r0 < k; r0 += per)
       for (int64_t n = nt; n < ne;)
-        n += run_tile<T, X8>(xg, ldx, r0, k - r0 < per ? k - r0 : per, K, w, rb, y, ldy, n, ne, false);
+        n += run_tile<T, NWT, RT, X8>(xg, ldx, r0, k - r0 < per ? k - r0 : per, K, w, rb, y, ldy, n, ne, false);
   }
   return true;
+}
+
+// The tile and schedule for k activation rows (the tile never changes an output's arithmetic): KQ4K2 takes one weight
+// row x up to R2_MAX activation rows when k > R_MAX and a chunk's x fits L1 (whole rows while all of x stays in
+// L1); every other case NW_MAX x R_MAX, whole rows up to 2 * R_MAX activation rows or WHOLE_ROWS_X bytes of x.
+template <class T, bool X8>
+bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
+          int64_t ldy, int64_t n0, int64_t n1) {
+  if constexpr (T::NVEC > 4) {
+    if (k > R_MAX && ldx * (k < R2_MAX ? k : R2_MAX) <= L1_X)
+      return schedule<T, 1, R2_MAX, X8>(xg, ldx, k, K, w, rb, y, ldy, n0, n1, k * ldx <= WHOLE_ROWS_X1);
+  }
+  return schedule<T, NW_MAX, R_MAX, X8>(xg, ldx, k, K, w, rb, y, ldy, n0, n1,
+                                        k <= 2 * R_MAX || k * ldx <= WHOLE_ROWS_X);
 }
 
 template <class T>
