@@ -554,12 +554,13 @@ def test_q4k_repacked_same_values(vnni, act_bits):
 
 
 @pytest.mark.parametrize("act_bits", [16, 8])
-@pytest.mark.parametrize("k_in", [1536, 4608])  # x of 8 rows within L1 (tiles of 1 x 8) or not (2 x 4); 4608: odd
+# x of 8 rows within L1 (tiles of 1 x 8) or not (2 x 4); 4864: 19 super-blocks, the last in the file's layout
+@pytest.mark.parametrize("k_in", [1536, 4864])
 def test_q4k_repacked_batch_invariant(vnni, act_bits, k_in):
     raw = uk.repack_q4k(torch.from_numpy(random_weight(uk.Q4_K, 35, k_in, seed=7)), k_in)
-    x = torch.randn(37, k_in, generator=torch.Generator().manual_seed(1))
-    singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, uk.Q4_K_R2, k_in, act_bits=act_bits) for i in range(37)])
-    for k in (2, 3, 5, 8, 9, 16, 37):  # one chunk of rows, several, and the weight-tiled schedule
+    x = torch.randn(80, k_in, generator=torch.Generator().manual_seed(1))
+    singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, uk.Q4_K_R2, k_in, act_bits=act_bits) for i in range(80)])
+    for k in (2, 3, 5, 8, 9, 16, 37, 80):  # one chunk of rows, several, and (37 or 80 rows) the weight-tiled schedule
         assert torch.equal(uk.qmatmul(x[:k], raw, uk.Q4_K_R2, k_in, act_bits=act_bits), singles[:k]), f"k={k}"
     assert torch.equal(uk.qmatmul(x[:4], raw[1:], uk.Q4_K_R2, k_in, act_bits=act_bits), singles[:4, 1:])
     with num_threads(1):
