@@ -441,20 +441,17 @@ template <bool X8>
 void prep_row_k2(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1) {
   const int64_t npairs = K / 512;
   for (int64_t G = G0; G < G1; ++G) {
+    if (G == npairs) {  // the odd last super-block: KQ4K's prep, placed after the pairs
+      prep_row_k<KQ4K, X8>(x + 512 * G, out + npairs * sizeof(XGN<8>), 0, 1);
+      continue;
+    }
     int16_t q[512];
     float sb[16];
     int32_t sum[16];
-    if (G < npairs) {
-      for (int b = 0; b < 16; ++b) sb[b] = quant32<X8>(x + 512 * G + 32 * b, q + 32 * b, &sum[b]);
-      GroupStage<8, X8> st;
-      KQ4K2::stage(q, sb, sum, st);
-      st.store(reinterpret_cast<XGN<8>*>(out + G * sizeof(XGN<8>)));
-    } else {
-      for (int b = 0; b < 8; ++b) sb[b] = quant32<X8>(x + 512 * G + 32 * b, q + 32 * b, &sum[b]);
-      GroupStage<4, X8> st;
-      KQ4K::stage(q, sb, sum, st);
-      st.store(reinterpret_cast<XGN<4>*>(out + npairs * sizeof(XGN<8>)));
-    }
+    for (int b = 0; b < 16; ++b) sb[b] = quant32<X8>(x + 512 * G + 32 * b, q + 32 * b, &sum[b]);
+    GroupStage<8, X8> st;
+    KQ4K2::stage(q, sb, sum, st);
+    st.store(reinterpret_cast<XGN<8>*>(out + G * sizeof(XGN<8>)));
   }
 }
 
