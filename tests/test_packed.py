@@ -45,12 +45,21 @@ def test_rebound_bytes_are_repacked_again(vnni):
     first = lin.weights(True)[0]
     lin.raw = _q4k(8, 512, seed=2)
     second = lin.weights(True)[0]
-    assert second is not first and torch.equal(second, kernels.repack_q4k(lin.raw, 512))
+    assert second is not first and torch.equal(second, kernels.repack_vnni(lin.raw, kernels.Q4_K, 512))
 
 
-def test_other_types_keep_the_files_layout(vnni):
+def test_which_types_are_repacked(vnni):
     wide = PackedLinear(_q4k(4, 8960), kernels.Q4_K, 8960, 4)  # an odd number of super-blocks: repacked too
     assert wide.weights(True)[1] == kernels.Q4_K_R2
-    raw = torch.zeros(4, kernels.row_bytes(kernels.Q8_0, 512), dtype=torch.uint8)
-    q8 = PackedLinear(raw, kernels.Q8_0, 512, 4)
-    assert q8.weights(True) == (q8.raw, kernels.Q8_0)
+    # the 32-value-block types in groups of 16 blocks, a partial last group included (576 = 18 blocks)
+    rng = np.random.default_rng(3)
+    for qt, layout in ((kernels.Q4_0, kernels.Q4_0_R16), (kernels.Q4_1, kernels.Q4_1_R16),
+                       (kernels.Q5_0, kernels.Q5_0_R16), (kernels.Q8_0, kernels.Q8_0_R16)):
+        raw = torch.from_numpy(rng.integers(0, 256, size=(4, kernels.row_bytes(qt, 576)), dtype=np.uint8))
+        raw.view(4, -1, kernels.block_info(qt)[1])[:, :, :2] = 0  # d = 0: finite values
+        lin = PackedLinear(raw, qt, 576, 4)
+        w, got = lin.weights(True)
+        assert got == layout and not torch.equal(w, lin.raw) and lin.weights(False) == (lin.raw, qt)
+    # Q6_K keeps the file's layout on every path
+    q6 = PackedLinear(torch.zeros(4, kernels.row_bytes(kernels.Q6_K, 512), dtype=torch.uint8), kernels.Q6_K, 512, 4)
+    assert q6.weights(True) == (q6.raw, kernels.Q6_K)

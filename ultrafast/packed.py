@@ -46,14 +46,16 @@ class PackedLinear(nn.Module):
         self._vnni_of: torch.Tensor | None = None  # the raw that raw_vnni was made from
 
     def weights(self, vnni: bool) -> tuple[torch.Tensor, int]:
-        """The bytes and type id the kernels read (vnni: whether the VNNI kernels run now): the file's, except Q4_K
-        on the VNNI kernels, read in their own layout (`kernels.repack_q4k`: one fp32 step per 512 values, no nibble
-        permutes), made once from `raw` (which keeps the file's bytes for every other reader and path)."""
-        if not vnni or self.qtype != kernels.Q4_K:
+        """The bytes and type id the kernels read (vnni: whether the VNNI kernels run now): the file's, except on the
+        VNNI kernels for the types they read in their own layout (`kernels.repack_vnni`: Q4_0, Q4_1, Q5_0, Q8_0,
+        Q4_K; one fp32 step per 512 values, no weight permutes), made once from `raw` (which keeps the file's bytes
+        for every other reader and path)."""
+        layout = kernels.vnni_layout(self.qtype) if vnni else None
+        if layout is None:
             return self.raw, self.qtype
         if self.raw_vnni is None or self._vnni_of is not self.raw:
-            self.raw_vnni, self._vnni_of = kernels.repack_q4k(self.raw, self.in_features), self.raw
-        return self.raw_vnni, kernels.Q4_K_R2
+            self.raw_vnni, self._vnni_of = kernels.repack_vnni(self.raw, self.qtype, self.in_features), self.raw
+        return self.raw_vnni, layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, qtype = self.weights(vnni_path())

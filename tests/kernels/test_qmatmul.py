@@ -531,22 +531,31 @@ def test_act_bits_errors():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Q4_K in the VNNI kernels' own layout (pairs of super-blocks, `repack_q4k`)
+# The VNNI kernels' own layouts (`repack_vnni`): Q4_K in pairs of super-blocks, the 32-value-block types 16 blocks a
+# group, one block per int32 lane (a row's last group holding the rest)
+
+# per type: K with and without values past the last group of 512, which stay in the file's layout (Q4_K: an odd last
+# super-block, 256 no group at all; the others: 32, 64, 96 no group, 544 / 576 / 896 / 4864 groups and then 1 / 2 /
+# 12 / 8 blocks: the 0.5B's and SmolLM2's widths and their FFN's)
+REPACK_KS = {uk.Q4_K: [256, 512, 768, 1536, 2304], uk.Q4_0: [32, 512, 576, 1536], uk.Q4_1: [64, 512, 576, 1536],
+             uk.Q5_0: [32, 544, 896, 4864], uk.Q8_0: [96, 512, 576, 1024]}
+
 
 @pytest.mark.parametrize("act_bits", [16, 8])
-def test_q4k_repacked_same_values(vnni, act_bits):
-    """The repacked rows hold the file's values: the product agrees with the reference like Q4_K's (and with
-    Q4_K's own result to fp32 summation order), for K with an odd last super-block (256: no pair at all; 768,
-    2304: pairs then one in the file's layout) and without (512, 1536)."""
-    for i, k in enumerate([256, 512, 768, 1536, 2304]):
-        raw = random_weight(uk.Q4_K, 29, k, seed=40 + i)
-        r2 = uk.repack_q4k(torch.from_numpy(raw), k)
+@pytest.mark.parametrize("qtype", sorted(REPACK_KS))
+def test_repacked_same_values(vnni, qtype, act_bits):
+    """The repacked rows hold the file's values: the product agrees with the reference like the file's layout does
+    (and with its result to fp32 summation order)."""
+    layout = uk.vnni_layout(qtype)
+    for i, k in enumerate(REPACK_KS[qtype]):
+        raw = random_weight(qtype, 29, k, seed=40 + i)
+        r2 = uk.repack_vnni(torch.from_numpy(raw), qtype, k)
         assert r2.shape == raw.shape and r2.dtype == torch.uint8
-        assert torch.equal(r2, torch.from_numpy(raw)) == (k == 256)  # a lone super-block keeps the file's layout
+        assert torch.equal(r2, torch.from_numpy(raw)) == (k < 512)  # no whole group: all in the file's layout
         x = torch.randn(6, k, generator=torch.Generator().manual_seed(i))
-        y2 = uk.qmatmul(x, r2, uk.Q4_K_R2, k, act_bits=act_bits)
-        y1 = uk.qmatmul(x, torch.from_numpy(raw), uk.Q4_K, k, act_bits=act_bits)
-        w = dequant(raw, uk.Q4_K, k).double()
+        y2 = uk.qmatmul(x, r2, layout, k, act_bits=act_bits)
+        y1 = uk.qmatmul(x, torch.from_numpy(raw), qtype, k, act_bits=act_bits)
+        w = dequant(raw, qtype, k).double()
         scale = x.double().abs() @ w.abs().T
         assert ((y2.double() - y1.double()).abs() <= 2e-6 * scale + 1e-30).all(), f"K={k}"
         xr = _round_int8(x) if act_bits == 8 else x.double()
@@ -554,29 +563,48 @@ def test_q4k_repacked_same_values(vnni, act_bits):
 
 
 @pytest.mark.parametrize("act_bits", [16, 8])
-# x of 8 rows within L1 (tiles of 1 x 8) or not (2 x 4); 4864: 19 super-blocks, the last in the file's layout
-@pytest.mark.parametrize("k_in", [1536, 4864])
-def test_q4k_repacked_batch_invariant(vnni, act_bits, k_in):
-    raw = uk.repack_q4k(torch.from_numpy(random_weight(uk.Q4_K, 35, k_in, seed=7)), k_in)
+# x of 8 rows within L1 (tiles of 1 x 8) or not (2 x 4); 4864: Q4_K's 19 super-blocks, the last in the file's
+# layout, Q5_0's 152 blocks, a last group of 8; 576: Q4_1's 18 blocks, a last group of 2
+@pytest.mark.parametrize("qtype,k_in", [(uk.Q4_K, 1536), (uk.Q4_K, 4864), (uk.Q4_1, 576), (uk.Q5_0, 4864),
+                                        (uk.Q8_0, 1536), (uk.Q4_0, 8192)])
+def test_repacked_batch_invariant(vnni, act_bits, qtype, k_in):
+    layout = uk.vnni_layout(qtype)
+    raw = uk.repack_vnni(torch.from_numpy(random_weight(qtype, 35, k_in, seed=7)), qtype, k_in)
     x = torch.randn(80, k_in, generator=torch.Generator().manual_seed(1))
-    singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, uk.Q4_K_R2, k_in, act_bits=act_bits) for i in range(80)])
+    singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, layout, k_in, act_bits=act_bits) for i in range(80)])
     for k in (2, 3, 5, 8, 9, 16, 37, 80):  # one chunk of rows, several, and (37 or 80 rows) the weight-tiled schedule
-        assert torch.equal(uk.qmatmul(x[:k], raw, uk.Q4_K_R2, k_in, act_bits=act_bits), singles[:k]), f"k={k}"
-    assert torch.equal(uk.qmatmul(x[:4], raw[1:], uk.Q4_K_R2, k_in, act_bits=act_bits), singles[:4, 1:])
+        assert torch.equal(uk.qmatmul(x[:k], raw, layout, k_in, act_bits=act_bits), singles[:k]), f"k={k}"
+    assert torch.equal(uk.qmatmul(x[:4], raw[1:], layout, k_in, act_bits=act_bits), singles[:4, 1:])
     with num_threads(1):
-        assert torch.equal(uk.qmatmul(x[:16], raw, uk.Q4_K_R2, k_in, act_bits=act_bits), singles[:16])
+        assert torch.equal(uk.qmatmul(x[:16], raw, layout, k_in, act_bits=act_bits), singles[:16])
 
 
-def test_q4k_repacked_errors(vnni):
+def test_repacked_nonfinite_x_gives_nan(vnni):
+    """A block of x holding an infinity makes its outputs NaN, as the file's layout does, in a full group and in a
+    row's partial last one; the other rows stay finite."""
+    raw = uk.repack_vnni(torch.from_numpy(random_weight(uk.Q4_1, 3, 576, seed=2)), uk.Q4_1, 576)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
+    x[0, 40] = float("inf")
+    x[1, 560] = float("inf")  # in the last group of two blocks
+    y = uk.qmatmul(x, raw, uk.Q4_1_R16, 576)
+    assert y[:2].isnan().all() and y[2].isfinite().all()
+
+
+def test_repacked_errors(vnni):
     raw = torch.from_numpy(random_weight(uk.Q4_K, 4, 512, seed=0))
     with pytest.raises(ValueError, match="512 Q4_K values take 288"):
-        uk.repack_q4k(raw[:, :200], 512)
+        uk.repack_vnni(raw[:, :200], uk.Q4_K, 512)
     with pytest.raises(ValueError, match="must be uint8"):
-        uk.repack_q4k(raw.float(), 512)
-    r2 = uk.repack_q4k(raw, 512)
-    uk.set_kernels_path("fp32")  # only the VNNI kernels read the layout
+        uk.repack_vnni(raw.float(), uk.Q4_K, 512)
+    with pytest.raises(ValueError, match="no layout of the VNNI kernels"):
+        uk.repack_vnni(torch.from_numpy(random_weight(uk.Q6_K, 4, 512, seed=0)), uk.Q6_K, 512)
+    with pytest.raises(ValueError, match="in_features a multiple of 32"):
+        uk.repack_vnni(torch.zeros(2, 22, dtype=torch.uint8), uk.Q5_0, 33)
+    assert uk.vnni_layout(uk.Q6_K) is None and uk.vnni_layout(uk.Q8_0) == uk.Q8_0_R16
+    r2 = uk.repack_vnni(raw, uk.Q4_K, 512)
+    uk.set_kernels_path("fp32")  # only the VNNI kernels read the layouts
     try:
-        with pytest.raises(ValueError, match="as does the Q4_K_R2 layout"):
+        with pytest.raises(ValueError, match="as do their own layouts"):
             uk.qmatmul(torch.randn(2, 512), r2, uk.Q4_K_R2, 512)
     finally:
         uk.set_kernels_path("auto")

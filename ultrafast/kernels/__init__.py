@@ -23,8 +23,8 @@ stderr) and later processes reuse the build. The kernel path is chosen at runtim
                    Activations are quantized per row and per block of 32 to int16 (s = max|x|/32639,
                    x = rint(x/s)); the file's quantized weights are multiplied with them in exact integer
                    arithmetic (x as two signed bytes, vpdpbusd), and the fp32 block scales/mins are
-                   applied per block (Q4_K is read in the kernels' own layout, `repack_q4k`, made at load:
-                   the same values, one fp32 step per 512 of them). The weights
+                   applied per block (Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K are read in the kernels' own layouts,
+                   `repack_vnni`, made at load: the same values, one fp32 step per 512 of them). The weights
                    are still exactly the file's; the int16 rounding of x
                    costs ~1e-5 (measured < 3e-5) of sum(|x|*|w|), against ~1e-6 for the fp32 path. Much cheaper per activation row, so
                    verifying k draft tokens costs little more than one. F32/F16/BF16 use the fp32 path.
@@ -56,7 +56,8 @@ __all__ = [
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "SUPPORTED_TYPES",
     "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
     "avx512_active", "vnni_supported", "set_force_scalar", "KernelBuildError", "decoder_block", "path_in_use", "set_kernels_path",
-    "multiply_peak", "MultiplyPeak", "fma_peak", "Q4_K_R2", "repack_q4k",
+    "multiply_peak", "MultiplyPeak", "fma_peak", "Q4_0_R16", "Q4_1_R16", "Q5_0_R16", "Q8_0_R16", "Q4_K_R2",
+    "repack_vnni", "vnni_layout",
 ]
 
 # GGML type ids (gguf.GGMLQuantizationType)
@@ -69,8 +70,9 @@ _BLOCKS = {
     Q4_K: (256, 144), Q6_K: (256, 210),
 }
 SUPPORTED_TYPES = frozenset(_BLOCKS)
-# Not a GGML type: Q4_K's bytes laid out for the VNNI kernels (`repack_q4k`); only that path reads it.
-Q4_K_R2 = 112
+# Not GGML types: the VNNI kernels' own layouts of a type's bytes (`repack_vnni`), each id its type's + 100; only
+# that path reads them. Q4_K in pairs of super-blocks; the 32-value-block types 16 blocks a group.
+Q4_0_R16, Q4_1_R16, Q5_0_R16, Q8_0_R16, Q4_K_R2 = 102, 103, 106, 108, 112
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ["qmatmul.cpp", "kernel_variant.cpp", "decoder_layer.cpp", "scalar.cpp", "qmatmul_avx512.cpp",
@@ -315,14 +317,20 @@ def qmatmul(x: torch.Tensor, w: torch.Tensor, qtype: int, in_features: int, act_
     return y.view(*x.shape[:-1], y.shape[1])
 
 
-def repack_q4k(w: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Q4_K rows (uint8 [rows, in_features / 256 * 144]) laid out for the VNNI kernels, type id `Q4_K_R2`: the same
-    values, each pair of super-blocks with its 16 sub-blocks on the 16 lanes of a vector, so that one fp32 step
-    covers 512 values and the nibbles need no permute (see qmatmul_vnni.cpp, KQ4K2). A new tensor; the rows'
-    outputs differ from Q4_K's only in the order of the fp32 adds."""
+def vnni_layout(qtype: int) -> int | None:
+    """The type id of the VNNI kernels' own layout of `qtype` (`repack_vnni`), or None where they read the file's."""
+    return {Q4_0: Q4_0_R16, Q4_1: Q4_1_R16, Q5_0: Q5_0_R16, Q8_0: Q8_0_R16, Q4_K: Q4_K_R2}.get(int(qtype))
+
+
+def repack_vnni(w: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """Rows of `qtype` (uint8 [rows, row_bytes]) laid out for the VNNI kernels, type id `vnni_layout(qtype)`: the same
+    values and bytes per row, so that one fp32 step covers 512 values and the weights need no permute (see
+    qmatmul_vnni.cpp: KQ4K2 holds Q4_K's pairs of super-blocks, KB16 sixteen blocks of 32 of the other types, one
+    a lane). A new tensor; the rows' outputs differ from the file's layout only in the order of the fp32 adds.
+    ValueError for a type without such a layout or bytes that do not hold the rows."""
     if not isinstance(w, torch.Tensor):
         raise _not_tensor("w", w)
-    return _ext_or_load().repack_q4k(w, int(in_features))
+    return _ext_or_load().repack_vnni(w, int(qtype), int(in_features))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -71,7 +71,7 @@ const char* path_in_use() {
 const LinearOps* linear_ops(int qt, bool x8) {
   TypeInfo ti;
   if (!type_info(qt, &ti)) return nullptr;
-  if (qt == QT_Q4_K_R2) return vnni_in_use() ? &kVnni : nullptr;  // a layout only the VNNI kernels read
+  if (is_vnni_layout(qt)) return vnni_in_use() ? &kVnni : nullptr;  // layouts only the VNNI kernels read
   if (qmm_vnni_supports(qt) && vnni_in_use()) return &kVnni;
   if (x8 && qmm_vnni_supports(qt)) return nullptr;  // int8 activations exist only in the VNNI kernels
   const LinearOps* f = fp32_ops();

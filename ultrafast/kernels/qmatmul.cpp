@@ -75,7 +75,7 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t
   if (k == 0 || N == 0) return y;
 
   const LinearOps* ops = linear_ops((int)qtype, act_bits == 8);
-  TORCH_CHECK_VALUE(ops != nullptr, "qmatmul: int8 activations need the AVX512-VNNI kernels, as does the Q4_K_R2 layout (path in use: ",
+  TORCH_CHECK_VALUE(ops != nullptr, "qmatmul: int8 activations need the AVX512-VNNI kernels, as do their own layouts (Q4_K_R2, *_R16; path in use: ",
                     path_in_use(), ")");
   const bool x8 = act_bits == 8;
   const float* xp = x.data_ptr<float>();
@@ -274,7 +274,7 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
                       "decoder_block: linear ", i, " has shape ", w[i].sizes(), ", expected ", expect_rows[i],
                       " rows of ", expect_k[i], " ", ti.name, " values");
     a.ops[i] = linear_ops((int)qt[i], act_bits == 8);
-    TORCH_CHECK_VALUE(a.ops[i] != nullptr, "decoder_block: int8 activations need the AVX512-VNNI kernels, as does the Q4_K_R2 layout (path in use: ",
+    TORCH_CHECK_VALUE(a.ops[i] != nullptr, "decoder_block: int8 activations need the AVX512-VNNI kernels, as do their own layouts (Q4_K_R2, *_R16; path in use: ",
                       path_in_use(), ")");
     a.w[i] = w[i].data_ptr<uint8_t>();
     a.rb[i] = w[i].size(0) > 1 ? w[i].stride(0) : w[i].size(1);
@@ -367,20 +367,24 @@ double avx2_fma_peak(int64_t threads, int64_t iters, int64_t reps) {
   return best_rate(threads, iters, reps, [](int64_t n) { return avx2_fma_chains(n); });
 }
 
-// Q4_K rows laid out for the VNNI kernels (qmm_repack_vnni): a new tensor of the same shape.
-torch::Tensor repack_q4k(const torch::Tensor& w, int64_t in_features) {
+// Rows of qtype laid out for the VNNI kernels (qmm_repack_vnni, type vnni_layout(qtype)): a new tensor of the same
+// shape.
+torch::Tensor repack_vnni(const torch::Tensor& w, int64_t qtype, int64_t in_features) {
+  TypeInfo ti;
+  TORCH_CHECK_VALUE(vnni_layout((int)qtype) > 0 && type_info((int)qtype, &ti), "repack_vnni: type ", qtype,
+                    " has no layout of the VNNI kernels (Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K have)");
   TORCH_CHECK_VALUE(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.device().is_cpu(),
-                    "repack_q4k: w must be uint8 [rows, row_bytes] on the CPU");
-  TORCH_CHECK_VALUE(in_features > 0 && in_features % 256 == 0 && w.size(1) == in_features / 256 * 144,
-                    "repack_q4k: w has ", w.size(1), " bytes per row; ", in_features, " Q4_K values take ",
-                    in_features / 256 * 144);
+                    "repack_vnni: w must be uint8 [rows, row_bytes] on the CPU");
+  TORCH_CHECK_VALUE(in_features > 0 && in_features % ti.block == 0 && w.size(1) == in_features / ti.block * ti.bytes,
+                    "repack_vnni: w has ", w.size(1), " bytes per row; ", in_features, " ", ti.name, " values take ",
+                    in_features / ti.block * ti.bytes, " (in_features a multiple of ", ti.block, ")");
   const torch::Tensor src = w.contiguous();
   auto out = torch::empty_like(src);
   const int64_t rows = src.size(0), rb = src.size(1);
   const uint8_t* sp = src.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
-    qmm_repack_vnni(sp + r0 * rb, op + r0 * rb, r1 - r0, in_features);
+    qmm_repack_vnni((int)qtype, sp + r0 * rb, op + r0 * rb, r1 - r0, in_features);
   });
   return out;
 }
@@ -394,8 +398,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // e.g. a server's I/O, keep running during a forward pass.
   m.def("qmatmul", &ultrafast::qmatmul, "y = x @ dequant(w).T for raw GGUF weight rows", py::arg("x"), py::arg("w"),
         py::arg("qtype"), py::arg("in_features"), py::arg("act_bits") = 16, py::call_guard<py::gil_scoped_release>());
-  m.def("repack_q4k", &ultrafast::repack_q4k, "Q4_K rows in the VNNI kernels' layout (type Q4_K_R2)", py::arg("w"),
-        py::arg("in_features"));
+  m.def("repack_vnni", &ultrafast::repack_vnni, "rows in the VNNI kernels' layout of their type", py::arg("w"),
+        py::arg("qtype"), py::arg("in_features"));
+  m.def("vnni_layout", [](int64_t qtype) { return ultrafast::vnni_layout((int)qtype); },
+        "the type id of the VNNI kernels' layout of qtype, -1 if none", py::arg("qtype"));
   m.def("rmsnorm", &ultrafast::rmsnorm, "row-wise RMSNorm", py::arg("x"), py::arg("weight"), py::arg("eps"),
         py::call_guard<py::gil_scoped_release>());
   m.def("attention", &ultrafast::attention, "causal GQA attention over a KV cache", py::arg("q"), py::arg("k_cache"),

@@ -18,8 +18,9 @@ static inline void prefetch_l2(const uint8_t* p, int64_t bytes) {
 enum QType : int {
   QT_F32 = 0, QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q8_0 = 8,
   QT_Q4_K = 12, QT_Q6_K = 14, QT_BF16 = 30,
-  // not a GGML type: Q4_K's bytes repacked for the VNNI kernels in pairs of super-blocks (qmm_repack_vnni)
-  QT_Q4_K_R2 = 112,
+  // Not GGML types: the VNNI kernels' own layouts of a type's bytes (qmm_repack_vnni), each id its type's + 100.
+  // Q4_K in pairs of super-blocks; the 32-value-block types 16 blocks a group, one block per int32 lane.
+  QT_Q4_0_R16 = 102, QT_Q4_1_R16 = 103, QT_Q5_0_R16 = 106, QT_Q8_0_R16 = 108, QT_Q4_K_R2 = 112,
 };
 
 // Values and bytes per block of a GGML type (F32/F16/BF16: one value per "block").
@@ -39,7 +40,12 @@ static inline bool type_info(int qtype, TypeInfo* ti) {
     case QT_Q8_0: *ti = {32, 34, "Q8_0"}; return true;
     case QT_Q4_K: *ti = {256, 144, "Q4_K"}; return true;
     case QT_Q6_K: *ti = {256, 210, "Q6_K"}; return true;
-    case QT_Q4_K_R2: *ti = {256, 144, "Q4_K_R2"}; return true;  // the VNNI kernels' layout of Q4_K
+    // the VNNI kernels' layouts: the same bytes per block as the type they hold
+    case QT_Q4_0_R16: *ti = {32, 18, "Q4_0_R16"}; return true;
+    case QT_Q4_1_R16: *ti = {32, 20, "Q4_1_R16"}; return true;
+    case QT_Q5_0_R16: *ti = {32, 22, "Q5_0_R16"}; return true;
+    case QT_Q8_0_R16: *ti = {32, 34, "Q8_0_R16"}; return true;
+    case QT_Q4_K_R2: *ti = {256, 144, "Q4_K_R2"}; return true;
     default: return false;
   }
 }
@@ -99,13 +105,13 @@ void attn_group_avx2(const float* q, int G, const float* kc, const float* vc, in
 
 // ---- AVX512-VNNI integer path (qmatmul_vnni.cpp): int16 activations (per 32-block scale; x8: int8, as
 // llama.cpp), exact integer dot products with the file's quantized weights. Types Q4_0, Q4_1, Q5_0, Q8_0,
-// Q4_K, Q6_K.
+// Q4_K, Q6_K, and the layouts of all but Q6_K made at load (vnni_layout).
 bool vnni_usable();                 // AVX-512 F/BW/VL/DQ + VNNI (+FMA/F16C), checked at runtime
 bool qmm_vnni_supports(int qtype);  // the quantized types above
 // Bytes of prepared activation data per row (a multiple of 64); xg must be 64-byte aligned.
 int64_t qmm_prep_bytes_vnni(int qtype, int64_t K);
 // Quantize and lay out one row's units [G0, G1) (of qmm_prep_units_vnni: groups of 128 values, the
-// K-quants' super-blocks of 256); per row, so batch-invariant. x8: int8 activations (prep and rows must agree).
+// K-quants' super-blocks of 256, the layouts' groups of 512 and then the file layout's groups of the rest); per row, so batch-invariant. x8: int8 activations (prep and rows must agree).
 int64_t qmm_prep_units_vnni(int qtype, int64_t K);
 void qmm_prep_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1, bool x8);
 // y[r * ldy + n] for r in [0, k), n in [n0, n1); per element the arithmetic depends only on (qtype, K,
@@ -115,9 +121,16 @@ bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uin
 // The multiply limit, measured: n iterations of 12 independent vpdpbusd chains (12 * n instructions, each 64
 // u8 x s8 multiply-adds) on the calling thread; the rate the units sustain, not one chain's latency. Returns a
 // value derived from the sums so the work cannot be dropped.
-// Q4_K rows [rows, K / 256 * 144] -> the same bytes laid out as QT_Q4_K_R2 (pairs of super-blocks; an odd last one
-// as it is)
-void qmm_repack_vnni(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K);
+// The VNNI kernels' own layout of qtype (its id, see QType), or -1 where they read the file's bytes.
+static inline int vnni_layout(int qtype) {
+  switch (qtype) {
+    case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q8_0: case QT_Q4_K: return qtype + 100;
+    default: return -1;
+  }
+}
+static inline bool is_vnni_layout(int qtype) { return qtype > 100 && vnni_layout(qtype - 100) == qtype; }
+// Rows [rows, K values of qtype] -> the same bytes laid out as vnni_layout(qtype) (plain C++; made once, at load).
+void qmm_repack_vnni(int qtype, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K);
 int64_t vnni_dpbusd_chains(int64_t n);
 // The kernels' own arithmetic at full rate: n iterations of 12 independent K-quant groups of 256 values (two
 // 128-value products each), each the instructions kblock issues for one (weight row, activation row, group)

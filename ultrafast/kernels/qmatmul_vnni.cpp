@@ -20,20 +20,20 @@
 // The only approximation is the int16 rounding of x (relative error ~1e-5 of sum |x*w| at worst).
 //
 // Lane layout. A "group" is the values one fp step covers: 128 values, 4 blocks of 32, for the 32-value-block
-// types; a super-block of 256 values for Q4_K (8 sub-blocks of 32, see KQ4K) and Q6_K (16 scale groups of 16,
-// see KQ6K), and two super-blocks (512 values) for Q4_K repacked at load into this file's own layout
-// (QT_Q4_K_R2, see KQ4K2: one lane per sub-block, the nibbles already in lane order). Its weights are decoded into
-// NVEC byte vectors (2; the K-quants 4; KQ4K2 8) in which each int32 lane only ever holds values of one block, so
-// after the dot products int32 lanes 4i..4i+3 hold partial sums of block bm(i) (Q4_K: lanes 2m, 2m+1 sub-block
-// sb_of(m); Q6_K: lane 4i+s scale group 4s+i; KQ4K2: lane l sub-block l). The activation prep writes xh and xl
-// in exactly that order, with per-lane vectors of s_b, the integer offsets (one lane per block) and s_b * xsum_b
-// (one lane per block).
+// types in the file's layout (K32); a super-block of 256 values for Q4_K (8 sub-blocks of 32, see KQ4K) and Q6_K
+// (16 scale groups of 16, see KQ6K); 512 values in the layouts made at load (qmm_repack_vnni): Q4_K's pairs of
+// super-blocks (QT_Q4_K_R2, KQ4K2) and 16 blocks of the 32-value-block types (QT_*_R16, KB16), one block per lane,
+// the values already in lane order. Its weights are decoded into NVEC byte vectors (2; the K-quants 4; the layouts
+// made at load 8) in which each int32 lane only ever holds values of one block, so after the dot products int32
+// lanes 4i..4i+3 hold partial sums of block bm(i) (Q4_K: lanes 2m, 2m+1 sub-block sb_of(m); Q6_K: lane 4i+s scale
+// group 4s+i; KQ4K2, KB16: lane l block l). The activation prep writes xh and xl in exactly that order, with
+// per-lane vectors of s_b, the integer offsets (one lane per block) and s_b * xsum_b (one lane per block).
 //
 // Batch invariance: every output y[r][n] is one fixed sequence of operations that depends only on
 // (qtype, K, weight row n, activation row r): per group the integer dot products (exact, in any order),
 // one convert, one mul (d_w * s), one fma into the output's accumulator, then (Q4_1) one fma for the mins;
-// groups in order; (Q4_K) after each group one fnmadd for its mins (KQ4K2: a row's odd last super-block then
-// runs as a KQ4K group into the same accumulator); at the end a fixed
+// groups in order; (Q4_K) after each group one fnmadd for its mins (the layouts made at load: the values past a
+// row's last whole group then run as groups of the file's layout into the same accumulator); at the end a fixed
 // horizontal sum. The tile size R, the row range and the thread never change that sequence; the unit is
 // built with -ffp-contract=off.
 // When weight rows are read whole (decode, verification) the weight stream is also prefetched ahead, into L1
@@ -149,11 +149,19 @@ struct GroupStage {
 };
 
 // ---- kernel types ------------------------------------------------------------------------------------
+// How a row whose K is not a multiple of KB ends (T::TAIL): TAIL_NONE it cannot (the K-quants: K % 256 == 0);
+// TAIL_MASKED in a group of fewer blocks, loaded with masks (K32: context's n, the blocks there); TAIL_FILE the values
+// past the last whole group stay in the file's layout and run as groups of T::Tail (KQ4K2: an odd last super-block,
+// KQ4K; KB16: the last K / 32 mod 16 blocks, K32).
+enum Tail : int { TAIL_NONE, TAIL_MASKED, TAIL_FILE };
+// The low n bits set (n clamped to 0..64).
+UF_INLINE uint64_t low_bits(int n) { return n >= 64 ? ~0ull : n <= 0 ? 0ull : (1ull << n) - 1; }
+
 // Each: NVEC (weight vectors per group), GV (values per group), KB/KBYTES (values/bytes of one kernel block =
-// GPK groups), UNIT/UNIT_BYTES (a row whose K is not a multiple of KB ends in a partial kernel block decoded
-// from a zero-padded copy of its whole units), IOFF (integer offset multiplier, 0 none), MINS (0 none; +1
+// GPK groups), TAIL (see Tail), IOFF (integer offset multiplier, 0 none), MINS (0 none; +1
 // Q4_1: decode's mvec per group; -1 Q4_K: Ctx::m once per super-block), X (the prepared x of a group),
-// context(p) once per kernel block, and decode(p, g, ctx, W, dvec, mvec) for group g of the kernel block at p.
+// context(p, n) once per kernel block (n: see TAIL_MASKED), and decode(p, g, ctx, W, dvec, mvec) for group g of the
+// kernel block at p.
 // The prep lays x out by bm(i) (K32) or stage() (the K-quants).
 
 // Word-permute indices (vpermt2w over two 64-byte vectors; index bit 5 picks the second) gathering 8 words
@@ -172,20 +180,28 @@ inline constexpr WIdx<BB, OFF, SHIFT> kWIdx{};
 template <int QT>
 struct K32 {
   static constexpr int BB = QT == QT_Q4_0 ? 18 : QT == QT_Q4_1 ? 20 : QT == QT_Q5_0 ? 22 : 34;
-  static constexpr int NVEC = 2, GV = 128, GPK = 1, KB = 128, KBYTES = 4 * BB, UNIT = 32, UNIT_BYTES = BB;
+  static constexpr int NVEC = 2, GV = 128, GPK = 1, KB = 128, KBYTES = 4 * BB;
   // Q8_0's signed weights are multiplied as unsigned q + 128 (vpdpbusd's unsigned operand): -128 * xsum
   static constexpr int IOFF = QT == QT_Q4_0 ? -8 : QT == QT_Q5_0 ? -16 : QT == QT_Q8_0 ? -128 : 0;
   static constexpr int MINS = QT == QT_Q4_1 ? 1 : 0;
-  static constexpr bool TAIL_K = false;
+  static constexpr int TAIL = TAIL_MASKED;
   using X = XG;
   static UF_INLINE int bm(int i) { return i; }
-  struct Ctx {};
-  static UF_INLINE Ctx context(const uint8_t*) { return {}; }
-  static UF_INLINE void decode(const uint8_t* p, int, const Ctx&, __m512i* W, __m512& dvec, __m512& mvec) {
-    // the group's KBYTES bytes as two vectors (the second masked so nothing past the group is read)
-    constexpr int REST = (KBYTES < 128 ? KBYTES : 128) - 64;
-    const __m512i Z0 = _mm512_loadu_si512(p);
-    const __m512i Z1 = _mm512_maskz_loadu_epi8((__mmask64)((REST >= 64) ? ~0ull : ((1ull << REST) - 1)), p + 64);
+  // The bytes loaded (masks of the loads at p, p + 64; Q8_0's at p + 8, p + 72): the group's n * BB (n >= 4: all
+  // KBYTES); nothing past them is read, and the blocks past n read as zero (d = 0).
+  struct Ctx {
+    __mmask64 k0, k1, ka, kb;
+    int n;
+  };
+  static UF_INLINE Ctx context(const uint8_t*, int n) {
+    const int nb = (n < 4 ? n : 4) * BB;
+    return {(__mmask64)low_bits(nb), (__mmask64)low_bits(nb - 64), (__mmask64)low_bits(nb - 8),
+            (__mmask64)low_bits(nb - 72), n < 4 ? n : 4};
+  }
+  static UF_INLINE void decode(const uint8_t* p, int, const Ctx& c, __m512i* W, __m512& dvec, __m512& mvec) {
+    // the group's bytes as two vectors
+    const __m512i Z0 = _mm512_maskz_loadu_epi8(c.k0, p);
+    const __m512i Z1 = _mm512_maskz_loadu_epi8(c.k1, p + 64);
     {  // fp16 d (and m) of the 4 blocks -> words 0..3 (4..7)
       alignas(64) static const int16_t dix[32] = {0, BB / 2, BB, 3 * BB / 2, 1, BB / 2 + 1, BB + 1, 3 * BB / 2 + 1};
       const __m512i dm16 = _mm512_permutex2var_epi16(Z0, _mm512_load_si512(dix), Z1);
@@ -198,7 +214,7 @@ struct K32 {
     }
     if constexpr (QT == QT_Q8_0) {
       // first halves (bytes 34b+2..) from [Z0 Z1]; second halves (34b+18..) from bytes 8..135
-      const __m512i Za = _mm512_loadu_si512(p + 8), Zb = _mm512_loadu_si512(p + 72);
+      const __m512i Za = _mm512_maskz_loadu_epi8(c.ka, p + 8), Zb = _mm512_maskz_loadu_epi8(c.kb, p + 72);
       const __m512i A = _mm512_permutex2var_epi16(Z0, _mm512_load_si512(kWIdx<BB, 2, 0>.v), Z1);
       const __m512i B = _mm512_permutex2var_epi16(Za, _mm512_load_si512(kWIdx<BB, 18, 4>.v), Zb);
       const __m512i x80 = _mm512_set1_epi8((char)0x80);
@@ -212,7 +228,7 @@ struct K32 {
       __m512i H = _mm512_and_si512(_mm512_srli_epi16(Z, 4), m0f);
       if constexpr (QT == QT_Q5_0) {
         uint64_t mlo = 0, mhi = 0;
-        for (int b = 0; b < 4; ++b) {
+        for (int b = 0; b < c.n; ++b) {
           const uint32_t qh = rd32(p + b * BB + 2);
           mlo |= (uint64_t)(qh & 0xFFFFu) << (16 * b);
           mhi |= (uint64_t)(qh >> 16) << (16 * b);
@@ -234,11 +250,11 @@ struct K32 {
 // (convert, d_w * s_b, fma) covers 256 values, half as many as with one lane group per block of a 128-value
 // group.
 struct KQ4K {
-  static constexpr int NVEC = 4, GV = 256, GPK = 1, KB = 256, KBYTES = 144, UNIT = 256, UNIT_BYTES = 144;
+  static constexpr int NVEC = 4, GV = 256, GPK = 1, KB = 256, KBYTES = 144;
   // mins once per super-block: ctx.m (dmin * m of sub-block sb_of(m) on lanes 2m, 2m + 1) against the x vector
   // xsf (s_b * xsum_b on lane 2m, 0 on 2m + 1)
   static constexpr int IOFF = 0, MINS = -1;
-  static constexpr bool TAIL_K = false;
+  static constexpr int TAIL = TAIL_NONE;
   using X = XGN<4>;
   static UF_INLINE int sb_of(int m) { return m < 4 ? 2 * m : 2 * (m - 4) + 1; }
   // Prepared x (see prep_row_k): vector v, 64-bit lane m, byte j holds value 8v + j of sub-block sb_of(m); s_b on
@@ -271,7 +287,7 @@ struct KQ4K {
   struct Ctx {
     __m512 d, m;
   };
-  static UF_INLINE Ctx context(const uint8_t* p) {
+  static UF_INLINE Ctx context(const uint8_t* p, int) {
     const __m512 dm = scales(p);
     return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 1, 1, 3, 3, 5, 5, 7, 7), dm),
             _mm512_permutexvar_ps(_mm512_setr_epi32(8, 8, 10, 10, 12, 12, 14, 14, 9, 9, 11, 11, 13, 13, 15, 15), dm)};
@@ -304,25 +320,15 @@ struct KQ4K {
 // chunk u holds value 8u + j of lane l's sub-block (low nibble, weight vector 2u) and value 8u + 4 + j (high
 // nibble, vector 2u + 1). A row with an odd number of super-blocks keeps its last one in the file's layout (KQ4K).
 struct KQ4K2 {
-  static constexpr int NVEC = 8, GV = 512, GPK = 1, KB = 512, KBYTES = 288, UNIT = 512, UNIT_BYTES = 288;
+  static constexpr int NVEC = 8, GV = 512, GPK = 1, KB = 512, KBYTES = 288;
   static constexpr int IOFF = 0, MINS = -1;
-  static constexpr bool TAIL_K = true;  // an odd last super-block: KQ4K's
-  using X = XGN<8>;
-  // Prepared x: vector v, int32 lane l, byte j holds value 4v + j of sub-block l % 8 of super-block l / 8; s_b and
-  // s_b * xsum_b of that sub-block on lane l.
-  template <bool X8>
-  static void stage(const int16_t* q, const float* sb, const int32_t* sum, GroupStage<8, X8>& st) {
-    for (int l = 0; l < 16; ++l) {
-      for (int v = 0; v < 8; ++v)
-        for (int j = 0; j < 4; ++j) st.put(v, 4 * l + j, q[32 * l + 4 * v + j]);
-      st.s[l] = sb[l];
-      st.xsf[l] = sb[l] * (float)sum[l];
-    }
-  }
+  static constexpr int TAIL = TAIL_FILE;  // an odd last super-block: KQ4K's
+  using Tail = KQ4K;
+  using X = XGN<8>;  // prepared by prep_row_lanes: lane l holds sub-block l % 8 of super-block l / 8
   struct Ctx {
     __m512 d, m;
   };
-  static UF_INLINE Ctx context(const uint8_t* p) {
+  static UF_INLINE Ctx context(const uint8_t* p, int) {
     const __m512 a = KQ4K::scales(p), b = KQ4K::scales(p + 16);  // [d*sc0..7, dmin*m0..7] of each
     return {_mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23), b),
             _mm512_permutex2var_ps(a, _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31), b)};
@@ -340,6 +346,59 @@ struct KQ4K2 {
   }
 };
 
+// Q4_0, Q4_1, Q5_0, Q8_0 repacked at load (QT_*_R16, `qmm_repack_vnni`): kernel block = group = 16 blocks of 32
+// (512 values), one block per int32 lane, so the 16 dot products of a group (int8 x: 8) end in one fp32 step for
+// 512 values where the file's layout (K32) takes one per 128, and the decode is a load (Q4: and a nibble split) per
+// weight vector. A group is: the 16 fp16 d, (Q4_1) the 16 fp16 m, (Q5_0) the fifth bits as 8 masks of 64 bits (mask
+// v, bit 4l + j: value 4v + j of block l), then the values: Q4 in 4 chunks of 64 bytes, byte 4l + j of chunk u
+// holding value 8u + j of block l in its low nibble and 8u + 4 + j in its high one (weight vectors 2u and 2u + 1);
+// Q8_0 in 8 chunks of 64 bytes, byte 4l + j of chunk v holding value 4v + j + 128. That is 16 times the file's block
+// bytes, so a row keeps its size. The blocks past a row's last whole group (K / 32 mod 16) stay in the file's layout
+// and run as K32 groups.
+template <int QT>
+struct KB16 {
+  static constexpr int BB = K32<QT>::BB;
+  static constexpr int NVEC = 8, GV = 512, GPK = 1, KB = 512, KBYTES = 16 * BB;
+  static constexpr int IOFF = K32<QT>::IOFF, MINS = K32<QT>::MINS;
+  static constexpr int TAIL = TAIL_FILE;
+  using Tail = K32<QT>;
+  using X = XGN<8>;  // prepared by prep_row_lanes: lane l holds block l of the group
+  struct Ctx {
+    __m512 d, m;
+  };
+  static UF_INLINE Ctx context(const uint8_t* p, int) {
+    Ctx c{_mm512_cvtph_ps(load256(p)), _mm512_setzero_ps()};
+    if constexpr (QT == QT_Q4_1) c.m = _mm512_cvtph_ps(load256(p + 32));
+    return c;
+  }
+  static UF_INLINE void decode(const uint8_t* p, int, const Ctx& c, __m512i* W, __m512& dvec, __m512& mvec) {
+    dvec = c.d;
+    mvec = c.m;
+    if constexpr (QT == QT_Q8_0) {
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v) W[v] = _mm512_loadu_si512(p + 32 + 64 * v);
+    } else {
+      constexpr int HEAD = QT == QT_Q4_1 ? 64 : QT == QT_Q5_0 ? 96 : 32;  // bytes before the values
+      const __m512i m0f = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m512i Q = _mm512_loadu_si512(p + HEAD + 64 * u);
+        W[2 * u] = _mm512_and_si512(Q, m0f);
+        W[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(Q, 4), m0f);
+      }
+      if constexpr (QT == QT_Q5_0) {  // the fifth bits: + 16 where set (the nibble is below 16)
+        const __m512i b16 = _mm512_set1_epi8(0x10);
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; ++v) {
+          uint64_t h;
+          __builtin_memcpy(&h, p + 32 + 8 * v, 8);
+          W[v] = _mm512_mask_add_epi8(W[v], (__mmask64)h, W[v], b16);
+        }
+      }
+    }
+  }
+};
+
 // Q6_K: kernel block = group = super-block of 256 (210 bytes): 16 scale groups of 16, one int32 lane each.
 // Per half h the 6-bit values are decoded into byte vectors A (values 0..63 of the half) and B (64..127), one
 // scale group per 128-bit lane; a 4 x 4 transpose of 32-bit pieces within each 128-bit lane across A0, B0, A1,
@@ -347,9 +406,9 @@ struct KQ4K2 {
 // after the 8 dot products of a super-block every lane holds one scale group's 16 values and one fp step
 // covers 256 values. The lane sums stay exact through the convert: |sum (q - 32) x| <= 16 * 32 * 32639 < 2^24.
 struct KQ6K {
-  static constexpr int NVEC = 4, GV = 256, GPK = 1, KB = 256, KBYTES = 210, UNIT = 256, UNIT_BYTES = 210;
+  static constexpr int NVEC = 4, GV = 256, GPK = 1, KB = 256, KBYTES = 210;
   static constexpr int IOFF = -32, MINS = 0;
-  static constexpr bool TAIL_K = false;
+  static constexpr int TAIL = TAIL_NONE;
   using X = XGN<4>;
   // Prepared x (see prep_row_k): vector v, 128-bit lane i, bytes 4t..4t+3 hold values 64t + 16i + 4v .. +3
   // (scale group 4t + i); its s_b, and -32 * its integer sum, on int32 lane 4i + t.
@@ -369,7 +428,7 @@ struct KQ6K {
   struct Ctx {
     __m512 d;
   };
-  static UF_INLINE Ctx context(const uint8_t* p) {  // d * sc of scale group 4s + i on lane 4i + s
+  static UF_INLINE Ctx context(const uint8_t* p, int) {  // d * sc of scale group 4s + i on lane 4i + s
     const __m512 dsc =
         _mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192))));
     return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), dsc)};
@@ -435,22 +494,33 @@ void prep_row_k(const float* x, uint8_t* out, int64_t S0, int64_t S1) {
   }
 }
 
-// Q4_K in pairs (KQ4K2): unit G < K / 512 is the pair of super-blocks 2G, 2G + 1; an odd last super-block is
-// one more unit, laid out for KQ4K after the pairs.
-template <bool X8>
-void prep_row_k2(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1) {
-  const int64_t npairs = K / 512;
+// The layouts of one block of 32 per int32 lane, 16 blocks a group (T = KQ4K2, KB16): unit G < K / 512 is the group
+// of blocks 16G..16G + 15: vector v, int32 lane l, byte j holds value 4v + j of block l; lane l also holds the
+// block's s_b, T::IOFF * xsum_b and s_b * xsum_b. The values past the last whole group are laid out for T::Tail after
+// the groups, one more unit each of its groups.
+template <class T, bool X8>
+void prep_row_lanes(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1) {
+  const int64_t nfull = K / 512;
   for (int64_t G = G0; G < G1; ++G) {
-    if (G == npairs) {  // the odd last super-block: KQ4K's prep, placed after the pairs
-      prep_row_k<KQ4K, X8>(x + 512 * G, out + npairs * sizeof(XGN<8>), 0, 1);
+    if (G >= nfull) {  // past the whole groups: T::Tail's prep of the rest
+      uint8_t* tail = out + nfull * sizeof(XGN<8>);
+      if constexpr (T::Tail::KB == 256)
+        prep_row_k<typename T::Tail, X8>(x + 512 * nfull, tail, G - nfull, G - nfull + 1);
+      else
+        prep_row32<typename T::Tail, X8>(x + 512 * nfull, K - 512 * nfull, tail, G - nfull, G - nfull + 1);
       continue;
     }
-    int16_t q[512];
-    float sb[16];
-    int32_t sum[16];
-    for (int b = 0; b < 16; ++b) sb[b] = quant32<X8>(x + 512 * G + 32 * b, q + 32 * b, &sum[b]);
     GroupStage<8, X8> st;
-    KQ4K2::stage(q, sb, sum, st);
+    for (int l = 0; l < 16; ++l) {
+      int16_t q[32];
+      int32_t sum;
+      const float sb = quant32<X8>(x + 512 * G + 32 * l, q, &sum);
+      for (int v = 0; v < 8; ++v)
+        for (int j = 0; j < 4; ++j) st.put(v, 4 * l + j, q[4 * v + j]);
+      st.s[l] = sb;
+      st.io[l] = T::IOFF * sum;
+      st.xsf[l] = sb * (float)sum;
+    }
     st.store(reinterpret_cast<XGN<8>*>(out + G * sizeof(XGN<8>)));
   }
 }
@@ -464,7 +534,7 @@ void prep_row_k2(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1
 // R_MAX (verification, batched decode), NW_MAX x 1 (decode: independent chains across weight rows), and
 // NW = 1 for the last row of an odd range. The tile never changes an output's arithmetic (see below).
 constexpr int NW_MAX = 2, R_MAX = 4;
-// KQ4K2's eight weight vectors a row also allow a tile of one weight row x up to R2_MAX activation rows, which
+// The layouts made at load (KQ4K2, KB16) have eight weight vectors a row, which also allow a tile of one weight row x up to R2_MAX activation rows, which
 // pays where the chunks' x stays in L1 (see rows()). Measured with a harness over these kernels (random Q4_K, 2
 // threads, weights from memory; time against the file's layout), 8960 x 1536, int8, k = 1 / 4 / 10 / 16: 2 x 4 tile
 // 0.80 / 0.87 / 0.83 / 0.87, 1 x 8 tile 0.88 / 0.92 / 0.74 / 0.72; 1536 x 8960 (x 21 KB a row): 2 x 4 0.71 / 0.80 /
@@ -475,7 +545,7 @@ constexpr int R2_MAX = 8;
 // projection (Q6_K, K = 8960, 31 KB of x per row), 1 thread: k = 16 (500 KB) whole rows 8.7 cycles per
 // 128-value product against 10.7 for the K-panelled schedule used before; k = 24 (750 KB) 9.2 against 10.7.
 constexpr int64_t WHOLE_ROWS_X = 768 * 1024;
-// With one weight row a tile (KQ4K2) every weight row re-reads all rows' x, which must then stay in L1 (32 KB on
+// With one weight row a tile (KQ4K2, KB16) every weight row re-reads all rows' x, which must then stay in L1 (32 KB on
 // Zen 4): that tile only where a chunk's x fits L1_X, and whole rows up to WHOLE_ROWS_X1 bytes of x, else the
 // weight-tiled schedule. Measured on Q4_K 8960 x 1536 repacked, 2 threads, int16, k = 10 / 16: 2.01 / 2.65 ns per
 // 128-value product with whole rows at any size, 1.70 / 1.64 with this bound.
@@ -516,12 +586,13 @@ UF_INLINE void dot_step(const __m512i (&W)[NW][NV], int v, __m512i xv, __m512i* 
   for (int w = 0; w < NW; ++w) c[w] = _mm512_dpbusd_epi32(v == 0 ? _mm512_setzero_si512() : c[w], W[w][v], xv);
 }
 
+// n: the blocks of a TAIL_MASKED group (a row's last, if partial; 16: whole); unread by the other types.
 template <class T, int NW, int R, bool X8>
-UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t ldx, __m512* acc) {
+UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t ldx, __m512* acc, int n = 16) {
   using X = typename T::X;
   typename T::Ctx ctx[NW];
 #pragma GCC unroll 4
-  for (int w = 0; w < NW; ++w) ctx[w] = T::context(p + w * rb);
+  for (int w = 0; w < NW; ++w) ctx[w] = T::context(p + w * rb, n);
 #pragma GCC unroll 4
   for (int g = 0; g < T::GPK; ++g) {
     __m512i W[NW][T::NVEC];
@@ -566,18 +637,18 @@ UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t l
   }
 }
 
-// The partial last kernel block of rows whose K is not a multiple of KB, decoded from a zero-padded copy
-// (x is zero-padded too); one weight row at a time (acc of row w: acc + w * R, the NW = 1 layout).
-template <class T, int NW, int R, bool X8>
-UF_INLINE void partial_kblock(const uint8_t* wr, int64_t rb, int64_t K, const uint8_t* xg, int64_t ldx,
-                              __m512* acc) {
-  const int64_t nfull = K / T::KB, nunits = (K - nfull * T::KB) / T::UNIT;
-  constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;
-  alignas(64) uint8_t buf[T::KBYTES + 64];
+// The weight stream ahead of the LEN bytes at p of each of the NW rows (p + w * rb): PF_NEAR ahead into L1 and, when
+// far, PF_FAR ahead into L2.
+template <int NW, int LEN>
+UF_INLINE void prefetch_ahead(const uint8_t* p, int64_t rb, bool far) {
+#pragma GCC unroll 4
   for (int w = 0; w < NW; ++w) {
-    for (int i = 0; i < T::KBYTES + 64; ++i) buf[i] = 0;
-    __builtin_memcpy(buf, wr + w * rb + nfull * T::KBYTES, (size_t)(nunits * T::UNIT_BYTES));
-    kblock<T, 1, R, X8>(buf, 0, xg + nfull * XB, ldx, acc + w * R);
+    const uint8_t* q = p + w * rb;
+#pragma GCC unroll 16
+    for (int o = 0; o < LEN; o += 64) {
+      _mm_prefetch((const char*)(q + PF_NEAR + o), _MM_HINT_T0);
+      if (far) _mm_prefetch((const char*)(q + PF_FAR + o), _MM_HINT_T1);
+    }
   }
 }
 
@@ -594,26 +665,22 @@ __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t rb, int
   for (int i = 0; i < NW * R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nfull; ++b) {
     const uint8_t* p = wr + b * T::KBYTES;
-#pragma GCC unroll 4
-    for (int w = 0; w < NW; ++w) {
-      const uint8_t* q = p + w * rb;
-      if (far) {
-#pragma GCC unroll 4
-        for (int o = 0; o < T::KBYTES; o += 64) {
-          _mm_prefetch((const char*)(q + PF_NEAR + o), _MM_HINT_T0);
-          _mm_prefetch((const char*)(q + PF_FAR + o), _MM_HINT_T1);
-        }
-      } else {
-#pragma GCC unroll 4
-        for (int o = 0; o < T::KBYTES; o += 64) _mm_prefetch((const char*)(q + PF_NEAR + o), _MM_HINT_T0);
-      }
-    }
+    prefetch_ahead<NW, T::KBYTES>(p, rb, far);
     kblock<T, NW, R, X8>(p, rb, xg + b * XB, ldx, acc);
   }
-  if constexpr (T::TAIL_K) {  // an odd last super-block, in the file's layout
-    if (nfull * T::KB < K) kblock<KQ4K, NW, R, X8>(wr + nfull * T::KBYTES, rb, xg + nfull * XB, ldx, acc);
-  } else if (nfull * T::KB < K) {
-    partial_kblock<T, NW, R, X8>(wr, rb, K, xg, ldx, acc);
+  if constexpr (T::TAIL == TAIL_MASKED) {  // a last group of fewer blocks
+    if (nfull * T::KB < K)
+      kblock<T, NW, R, X8>(wr + nfull * T::KBYTES, rb, xg + nfull * XB, ldx, acc, (int)((K - nfull * T::KB) / 32));
+  } else if constexpr (T::TAIL == TAIL_FILE) {  // the rest in the file's layout: T::Tail's groups, the last maybe partial
+    using U = typename T::Tail;
+    const uint8_t* wt = wr + nfull * T::KBYTES;
+    const uint8_t* xt = xg + nfull * XB;
+    const int64_t rest = K - nfull * T::KB;
+    for (int64_t g = 0; g * U::KB < rest; ++g) {
+      prefetch_ahead<NW, U::KBYTES>(wt + g * U::KBYTES, rb, far);
+      kblock<U, NW, R, X8>(wt + g * U::KBYTES, rb, xt + g * (int64_t)sizeof(typename U::X), ldx, acc,
+                           (int)((rest - g * U::KB) / 32));
+    }
   }
 #pragma GCC unroll 4
   for (int w = 0; w < NW; ++w)
@@ -689,7 +756,7 @@ bool schedule(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_
   return true;
 }
 
-// The tile and schedule for k activation rows (the tile never changes an output's arithmetic): KQ4K2 takes one weight
+// The tile and schedule for k activation rows (the tile never changes an output's arithmetic): KQ4K2 and KB16 take one weight
 // row x up to R2_MAX activation rows when k > R_MAX and a chunk's x fits L1 (whole rows while all of x stays in
 // L1); every other case NW_MAX x R_MAX, whole rows up to 2 * R_MAX activation rows or WHOLE_ROWS_X bytes of x.
 template <class T, bool X8>
@@ -705,8 +772,10 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
 
 template <class T>
 int64_t row_bytes_x(int64_t K) {
-  if constexpr (T::TAIL_K)
-    return K / T::KB * (int64_t)sizeof(typename T::X) + (K % T::KB ? (int64_t)sizeof(XGN<4>) : 0);
+  if constexpr (T::TAIL == TAIL_FILE) {
+    using U = typename T::Tail;
+    return K / T::KB * (int64_t)sizeof(typename T::X) + (K % T::KB + U::KB - 1) / U::KB * (int64_t)sizeof(typename U::X);
+  }
   const int64_t nkb = (K + T::KB - 1) / T::KB;
   return nkb * T::GPK * (int64_t)sizeof(typename T::X);
 }
@@ -721,6 +790,10 @@ int64_t row_bytes_x(int64_t K) {
     case QT_Q8_0: { using T = K32<QT_Q8_0>; CALL; break; }  \
     case QT_Q4_K: { using T = KQ4K; CALL; break; }          \
     case QT_Q4_K_R2: { using T = KQ4K2; CALL; break; }      \
+    case QT_Q4_0_R16: { using T = KB16<QT_Q4_0>; CALL; break; } \
+    case QT_Q4_1_R16: { using T = KB16<QT_Q4_1>; CALL; break; } \
+    case QT_Q5_0_R16: { using T = KB16<QT_Q5_0>; CALL; break; } \
+    case QT_Q8_0_R16: { using T = KB16<QT_Q8_0>; CALL; break; } \
     case QT_Q6_K: { using T = KQ6K; CALL; break; }          \
     default: break;                                         \
   }
@@ -735,8 +808,8 @@ bool vnni_usable() {
 
 bool qmm_vnni_supports(int qtype) {
   switch (qtype) {
-    case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q8_0: case QT_Q4_K: case QT_Q6_K: case QT_Q4_K_R2: return true;
-    default: return false;
+    case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q8_0: case QT_Q4_K: case QT_Q6_K: return true;
+    default: return is_vnni_layout(qtype);
   }
 }
 
@@ -747,7 +820,8 @@ int64_t qmm_prep_bytes_vnni(int qtype, int64_t K) {
 }
 
 int64_t qmm_prep_units_vnni(int qtype, int64_t K) {
-  if (qtype == QT_Q4_K_R2) return (K + 511) / 512;
+  if (qtype == QT_Q4_K_R2) return K / 512 + K % 512 / 256;
+  if (is_vnni_layout(qtype)) return K / 512 + (K % 512 + 127) / 128;  // the groups, then K32's of the rest
   return qtype == QT_Q6_K || qtype == QT_Q4_K ? K / 256 : (K / 32 + 3) / 4;
 }
 
@@ -756,7 +830,11 @@ void prep_range(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, i
   switch (qtype) {
     case QT_Q6_K: prep_row_k<KQ6K, X8>(x, xg, G0, G1); break;
     case QT_Q4_K: prep_row_k<KQ4K, X8>(x, xg, G0, G1); break;
-    case QT_Q4_K_R2: prep_row_k2<X8>(x, K, xg, G0, G1); break;
+    case QT_Q4_K_R2: prep_row_lanes<KQ4K2, X8>(x, K, xg, G0, G1); break;
+    case QT_Q4_0_R16: prep_row_lanes<KB16<QT_Q4_0>, X8>(x, K, xg, G0, G1); break;
+    case QT_Q4_1_R16: prep_row_lanes<KB16<QT_Q4_1>, X8>(x, K, xg, G0, G1); break;
+    case QT_Q5_0_R16: prep_row_lanes<KB16<QT_Q5_0>, X8>(x, K, xg, G0, G1); break;
+    case QT_Q8_0_R16: prep_row_lanes<KB16<QT_Q8_0>, X8>(x, K, xg, G0, G1); break;
     case QT_Q4_0: prep_row32<K32<QT_Q4_0>, X8>(x, K, xg, G0, G1); break;
     case QT_Q4_1: prep_row32<K32<QT_Q4_1>, X8>(x, K, xg, G0, G1); break;
     case QT_Q5_0: prep_row32<K32<QT_Q5_0>, X8>(x, K, xg, G0, G1); break;
@@ -856,10 +934,11 @@ int64_t vnni_product_chains(int64_t, bool) { return 0; }
 
 #endif
 
-// The layout of QT_Q4_K_R2 (see KQ4K2), plain C++ (no vector instructions): made once per weight, at load.
+// The VNNI kernels' layouts (KQ4K2, KB16), plain C++ (no vector instructions): made once per weight, at load.
 namespace ultrafast {
+namespace {
 
-void qmm_repack_vnni(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K) {
+void repack_q4k_pairs(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K) {
   const int64_t rb = K / 256 * 144, npairs = K / 512;
   for (int64_t n = 0; n < rows; ++n) {
     const uint8_t* r = src + n * rb;
@@ -879,6 +958,68 @@ void qmm_repack_vnni(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K) 
     }
     for (int64_t i = npairs * 288; i < rb; ++i) o[i] = r[i];  // an odd last super-block as it is
   }
+}
+
+// Q4_0 / Q4_1 / Q5_0 / Q8_0 (bb bytes a block: fp16 d, Q4_1 fp16 m, Q5_0 32 fifth bits, then the values) in
+// groups of 16 blocks, the blocks past a row's last whole group as they are (see KB16).
+void repack_lanes(int qtype, int bb, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K) {
+  const int64_t nblk = K / 32, rb = nblk * bb;
+  const int head = qtype == QT_Q4_1 ? 4 : qtype == QT_Q5_0 ? 6 : 2;  // a block's bytes before its values
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = nblk / 16 * 16 * bb; i < rb; ++i) dst[r * rb + i] = src[r * rb + i];  // the rest as it is
+    for (int64_t g0 = 0; g0 + 16 <= nblk; g0 += 16) {
+      constexpr int n = 16;
+      const uint8_t* s = src + r * rb + g0 * bb;
+      uint8_t* d = dst + r * rb + g0 * bb;
+      // value i (0..31) of block l as the kernels multiply it: Q4 the nibble, Q5_0 without its fifth bit, Q8_0 + 128
+      auto val = [&](int l, int i) -> int {
+        const uint8_t* q = s + l * bb + head;
+        if (qtype == QT_Q8_0) return q[i] ^ 0x80;
+        return i < 16 ? q[i] & 15 : q[i - 16] >> 4;
+      };
+      int off = 0;
+      for (int l = 0; l < n; ++l) d[2 * l] = s[l * bb], d[2 * l + 1] = s[l * bb + 1];
+      off += 2 * n;
+      if (qtype == QT_Q4_1) {
+        for (int l = 0; l < n; ++l) d[off + 2 * l] = s[l * bb + 2], d[off + 2 * l + 1] = s[l * bb + 3];
+        off += 2 * n;
+      }
+      if (qtype == QT_Q5_0) {  // mask v, bit 4l + j: the fifth bit of value 4v + j of block l; 8 masks of 4n bits
+        for (int i = 0; i < 4 * n; ++i) d[off + i] = 0;
+        for (int l = 0; l < n; ++l) {
+          const uint32_t qh = (uint32_t)s[l * bb + 2] | (uint32_t)s[l * bb + 3] << 8 | (uint32_t)s[l * bb + 4] << 16 |
+                              (uint32_t)s[l * bb + 5] << 24;
+          for (int v = 0; v < 8; ++v)
+            for (int j = 0; j < 4; ++j)
+              if (qh >> (4 * v + j) & 1) {
+                const int bit = 4 * n * v + 4 * l + j;
+                d[off + bit / 8] |= (uint8_t)(1 << (bit % 8));
+              }
+        }
+        off += 4 * n;
+      }
+      if (qtype == QT_Q8_0) {
+        for (int v = 0; v < 8; ++v)
+          for (int l = 0; l < n; ++l)
+            for (int j = 0; j < 4; ++j) d[off + 4 * n * v + 4 * l + j] = (uint8_t)val(l, 4 * v + j);
+      } else {
+        for (int u = 0; u < 4; ++u)
+          for (int l = 0; l < n; ++l)
+            for (int j = 0; j < 4; ++j)
+              d[off + 4 * n * u + 4 * l + j] = (uint8_t)(val(l, 8 * u + j) | val(l, 8 * u + 4 + j) << 4);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void qmm_repack_vnni(int qtype, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K) {
+  TypeInfo ti;
+  if (qtype == QT_Q4_K)
+    repack_q4k_pairs(src, dst, rows, K);
+  else if (vnni_layout(qtype) > 0 && type_info(qtype, &ti))
+    repack_lanes(qtype, ti.bytes, src, dst, rows, K);
 }
 
 }  // namespace ultrafast
