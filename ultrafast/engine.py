@@ -18,7 +18,7 @@ from .grammar import GrammarCompiler
 from .kv_cache import KVCache
 from .loader import LoadedModel, load
 from .model import Transformer, build_model
-from .packed import apply_packed
+from .packed import apply_packed, layout_copy_bytes
 from .sampler import SamplingParams
 from .speculative import PlainStepper, SpeculativeStepper, measure_r
 from .tokenizer import Tokenizer
@@ -160,6 +160,7 @@ class Engine:
             "dim": c.dim,
             "file_tensor_bytes": self.loaded.file_tensor_bytes,
             "weight_bytes_held": self.model.weight_bytes_held(),
+            "weight_bytes_layout": layout_copy_bytes(self.model),  # of those held: the kernels' layouts' copies
             "weight_bytes_per_token": self.weight_bytes_per_token,
             "max_context": self.max_context,
             "kv_cache_bytes": self.cache.nbytes,

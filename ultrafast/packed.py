@@ -69,6 +69,17 @@ class PackedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, qtype={self.qtype}, act_bits={self.act_bits}"
 
 
+def layout_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the kernels' own layouts held beside the file's bytes (`PackedLinear.weights`): part of what the
+    model holds, a second copy of the linears whose type has such a layout."""
+    seen, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and m.raw_vnni is not None and m.raw_vnni.data_ptr() not in seen:
+            seen.add(m.raw_vnni.data_ptr())
+            total += m.raw_vnni.numel()
+    return total
+
+
 class KernelRMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
