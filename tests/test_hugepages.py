@@ -48,3 +48,18 @@ def test_loaded_tensors_live_in_one_region(smollm_path):
     assert ptrs[0][0] % HUGE_PAGE == 0
     for (p, n), (q, _) in zip(ptrs, ptrs[1:]):
         assert q >= p + n and q - (p + n) < 64  # packed one after another, 64-byte aligned
+
+
+def test_kernel_layouts_live_in_one_region(smollm_path, vnni):
+    """The VNNI kernels' layouts of the linears (made at load, streamed by every step) sit in their own region,
+    one after another from a 2 MB boundary, like the file's bytes."""
+    from ultrafast.engine import Engine
+    from ultrafast.packed import PackedLinear
+
+    engine = Engine.from_model(str(smollm_path), max_context=64)
+    lins = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
+    ptrs = sorted((m.raw_vnni.data_ptr(), m.raw_vnni.nbytes) for m in lins)
+    assert len(ptrs) == len(lins) and all(m.weights(True)[0] is m.raw_vnni for m in lins)  # SmolLM2: all Q4_1, Q8_0
+    assert ptrs[0][0] % HUGE_PAGE == 0
+    for (p, n), (q, _) in zip(ptrs, ptrs[1:]):
+        assert q >= p + n and q - (p + n) < 64

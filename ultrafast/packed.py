@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import kernels
+from .hugepages import copy_to_hugepages
 from .model import AttentionCore, RMSNorm, linear_weight_name, swap_module
 
 
@@ -146,12 +147,23 @@ class FusedBlock(nn.Module):
         return h + self.tp.all_reduce(run(h, 2))
 
 
+def _make_layouts_on_hugepages(lins: list[PackedLinear]) -> None:
+    """The VNNI kernels' layouts of these linears made now, at load, held beside the file's bytes in one mapping on
+    huge pages like those (`hugepages.py`: the decode step streams them; a layout has the file's bytes per row)."""
+    need = [m for m in lins if kernels.vnni_layout(m.qtype) is not None]
+    homes = copy_to_hugepages([m.raw for m in need])  # room for each layout, filled below
+    for m, home in zip(need, homes):
+        home.copy_(kernels.repack_vnni(m.raw, m.qtype, m.in_features))
+        m.raw_vnni, m._vnni_of = home, m.raw
+
+
 def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16) -> nn.Module:
     """Replace linears, norms and attention cores of `model` (built on meta) with packed kernel modules,
     then (fuse) each decoder layer with a single-call fused layer over the same packed weights. act_bits: the
     precision of the quantized linears' activations (16, or 8: llama.cpp's)."""
     tensors, c = loaded.tensors, loaded.config
     vnni = vnni_path()
+    lins = []
     for name, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear):
             qt = tensors[linear_weight_name(name, c)]
@@ -159,12 +171,14 @@ def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16
             if qt.qtype not in kernels.SUPPORTED_TYPES:
                 continue  # stays a plain linear, filled in by the reference build
             lin = PackedLinear(qt.raw, qt.qtype, mod.in_features, mod.out_features, bias, act_bits)
-            lin.weights(vnni)  # the VNNI kernels' layout made now, at load (held beside the file's bytes)
+            lins.append(lin)
             swap_module(model, name, lin)
         elif isinstance(mod, RMSNorm):
             swap_module(model, name, KernelRMSNorm(tensors[f"{name}.weight"].dequantize(), mod.eps))
         elif isinstance(mod, AttentionCore):
             swap_module(model, name, KernelAttentionCore())
+    if vnni:
+        _make_layouts_on_hugepages(lins)
     if fuse:
         for i, block in enumerate(model.layers):
             if FusedBlock.fusable(block):
