@@ -60,6 +60,8 @@ def test_which_types_are_repacked(vnni):
         lin = PackedLinear(raw, qt, 576, 4)
         w, got = lin.weights(True)
         assert got == layout and not torch.equal(w, lin.raw) and lin.weights(False) == (lin.raw, qt)
-    # Q6_K keeps the file's layout on every path
     q6 = PackedLinear(torch.zeros(4, kernels.row_bytes(kernels.Q6_K, 512), dtype=torch.uint8), kernels.Q6_K, 512, 4)
-    assert q6.weights(True) == (q6.raw, kernels.Q6_K)
+    assert q6.weights(True)[1] == kernels.Q6_K_R16 and q6.weights(False) == (q6.raw, kernels.Q6_K)
+    # float weights keep the file's layout on every path
+    f32 = PackedLinear(torch.zeros(4, 512 * 4, dtype=torch.uint8), kernels.F32, 512, 4)
+    assert f32.weights(True) == (f32.raw, kernels.F32)

@@ -538,7 +538,7 @@ def test_act_bits_errors():
 # super-block, 256 no group at all; the others: 32, 64, 96 no group, 544 / 576 / 896 / 4864 groups and then 1 / 2 /
 # 12 / 8 blocks: the 0.5B's and SmolLM2's widths and their FFN's)
 REPACK_KS = {uk.Q4_K: [256, 512, 768, 1536, 2304], uk.Q4_0: [32, 512, 576, 1536], uk.Q4_1: [64, 512, 576, 1536],
-             uk.Q5_0: [32, 544, 896, 4864], uk.Q8_0: [96, 512, 576, 1024]}
+             uk.Q5_0: [32, 544, 896, 4864], uk.Q8_0: [96, 512, 576, 1024], uk.Q6_K: [256, 512, 1536, 8960]}
 
 
 @pytest.mark.parametrize("act_bits", [16, 8])
@@ -551,7 +551,8 @@ def test_repacked_same_values(vnni, qtype, act_bits):
         raw = random_weight(qtype, 29, k, seed=40 + i)
         r2 = uk.repack_vnni(torch.from_numpy(raw), qtype, k)
         assert r2.shape == raw.shape and r2.dtype == torch.uint8
-        assert torch.equal(r2, torch.from_numpy(raw)) == (k < 512)  # no whole group: all in the file's layout
+        # no whole group: all in the file's layout (Q6_K: a group is a super-block)
+        assert torch.equal(r2, torch.from_numpy(raw)) == (k < 512 and qtype != uk.Q6_K)
         x = torch.randn(6, k, generator=torch.Generator().manual_seed(i))
         y2 = uk.qmatmul(x, r2, layout, k, act_bits=act_bits)
         y1 = uk.qmatmul(x, torch.from_numpy(raw), qtype, k, act_bits=act_bits)
@@ -566,7 +567,7 @@ def test_repacked_same_values(vnni, qtype, act_bits):
 # x of 8 rows within L1 (tiles of 1 x 8) or not (2 x 4); 4864: Q4_K's 19 super-blocks, the last in the file's
 # layout, Q5_0's 152 blocks, a last group of 8; 576: Q4_1's 18 blocks, a last group of 2
 @pytest.mark.parametrize("qtype,k_in", [(uk.Q4_K, 1536), (uk.Q4_K, 4864), (uk.Q4_1, 576), (uk.Q5_0, 4864),
-                                        (uk.Q8_0, 1536), (uk.Q4_0, 8192)])
+                                        (uk.Q8_0, 1536), (uk.Q4_0, 8192), (uk.Q6_K, 8960)])
 def test_repacked_batch_invariant(vnni, act_bits, qtype, k_in):
     layout = uk.vnni_layout(qtype)
     raw = uk.repack_vnni(torch.from_numpy(random_weight(qtype, 35, k_in, seed=7)), qtype, k_in)
@@ -597,10 +598,10 @@ def test_repacked_errors(vnni):
     with pytest.raises(ValueError, match="must be uint8"):
         uk.repack_vnni(raw.float(), uk.Q4_K, 512)
     with pytest.raises(ValueError, match="no layout of the VNNI kernels"):
-        uk.repack_vnni(torch.from_numpy(random_weight(uk.Q6_K, 4, 512, seed=0)), uk.Q6_K, 512)
+        uk.repack_vnni(torch.from_numpy(random_weight(uk.F16, 4, 512, seed=0)), uk.F16, 512)
     with pytest.raises(ValueError, match="in_features a multiple of 32"):
         uk.repack_vnni(torch.zeros(2, 22, dtype=torch.uint8), uk.Q5_0, 33)
-    assert uk.vnni_layout(uk.Q6_K) is None and uk.vnni_layout(uk.Q8_0) == uk.Q8_0_R16
+    assert uk.vnni_layout(uk.F32) is None and uk.vnni_layout(uk.Q8_0) == uk.Q8_0_R16
     r2 = uk.repack_vnni(raw, uk.Q4_K, 512)
     uk.set_kernels_path("fp32")  # only the VNNI kernels read the layouts
     try:

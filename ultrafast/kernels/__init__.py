@@ -23,7 +23,7 @@ stderr) and later processes reuse the build. The kernel path is chosen at runtim
                    Activations are quantized per row and per block of 32 to int16 (s = max|x|/32639,
                    x = rint(x/s)); the file's quantized weights are multiplied with them in exact integer
                    arithmetic (x as two signed bytes, vpdpbusd), and the fp32 block scales/mins are
-                   applied per block (Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K are read in the kernels' own layouts,
+                   applied per block (every quantized type is read in the kernels' own layout,
                    `repack_vnni`, made at load: the same values, one fp32 step per 512 of them). The weights
                    are still exactly the file's; the int16 rounding of x
                    costs ~1e-5 (measured < 3e-5) of sum(|x|*|w|), against ~1e-6 for the fp32 path. Much cheaper per activation row, so
@@ -56,7 +56,7 @@ __all__ = [
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "SUPPORTED_TYPES",
     "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
     "avx512_active", "vnni_supported", "set_force_scalar", "KernelBuildError", "decoder_block", "path_in_use", "set_kernels_path",
-    "multiply_peak", "MultiplyPeak", "fma_peak", "Q4_0_R16", "Q4_1_R16", "Q5_0_R16", "Q8_0_R16", "Q4_K_R2",
+    "multiply_peak", "MultiplyPeak", "fma_peak", "Q4_0_R16", "Q4_1_R16", "Q5_0_R16", "Q8_0_R16", "Q4_K_R2", "Q6_K_R16",
     "repack_vnni", "vnni_layout",
 ]
 
@@ -71,8 +71,9 @@ _BLOCKS = {
 }
 SUPPORTED_TYPES = frozenset(_BLOCKS)
 # Not GGML types: the VNNI kernels' own layouts of a type's bytes (`repack_vnni`), each id its type's + 100; only
-# that path reads them. Q4_K in pairs of super-blocks; the 32-value-block types 16 blocks a group.
-Q4_0_R16, Q4_1_R16, Q5_0_R16, Q8_0_R16, Q4_K_R2 = 102, 103, 106, 108, 112
+# that path reads them. Q4_K in pairs of super-blocks; the 32-value-block types 16 blocks a group; Q6_K one scale
+# group of 16 per lane.
+Q4_0_R16, Q4_1_R16, Q5_0_R16, Q8_0_R16, Q4_K_R2, Q6_K_R16 = 102, 103, 106, 108, 112, 114
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ["qmatmul.cpp", "kernel_variant.cpp", "decoder_layer.cpp", "scalar.cpp", "qmatmul_avx512.cpp",
@@ -319,7 +320,8 @@ def qmatmul(x: torch.Tensor, w: torch.Tensor, qtype: int, in_features: int, act_
 
 def vnni_layout(qtype: int) -> int | None:
     """The type id of the VNNI kernels' own layout of `qtype` (`repack_vnni`), or None where they read the file's."""
-    return {Q4_0: Q4_0_R16, Q4_1: Q4_1_R16, Q5_0: Q5_0_R16, Q8_0: Q8_0_R16, Q4_K: Q4_K_R2}.get(int(qtype))
+    return {Q4_0: Q4_0_R16, Q4_1: Q4_1_R16, Q5_0: Q5_0_R16, Q8_0: Q8_0_R16, Q4_K: Q4_K_R2,
+            Q6_K: Q6_K_R16}.get(int(qtype))
 
 
 def repack_vnni(w: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:

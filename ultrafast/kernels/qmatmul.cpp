@@ -372,7 +372,7 @@ double avx2_fma_peak(int64_t threads, int64_t iters, int64_t reps) {
 torch::Tensor repack_vnni(const torch::Tensor& w, int64_t qtype, int64_t in_features) {
   TypeInfo ti;
   TORCH_CHECK_VALUE(vnni_layout((int)qtype) > 0 && type_info((int)qtype, &ti), "repack_vnni: type ", qtype,
-                    " has no layout of the VNNI kernels (Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K have)");
+                    " has no layout of the VNNI kernels (the quantized types have)");
   TORCH_CHECK_VALUE(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.device().is_cpu(),
                     "repack_vnni: w must be uint8 [rows, row_bytes] on the CPU");
   TORCH_CHECK_VALUE(in_features > 0 && in_features % ti.block == 0 && w.size(1) == in_features / ti.block * ti.bytes,

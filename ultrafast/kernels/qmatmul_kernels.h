@@ -19,8 +19,9 @@ enum QType : int {
   QT_F32 = 0, QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q8_0 = 8,
   QT_Q4_K = 12, QT_Q6_K = 14, QT_BF16 = 30,
   // Not GGML types: the VNNI kernels' own layouts of a type's bytes (qmm_repack_vnni), each id its type's + 100.
-  // Q4_K in pairs of super-blocks; the 32-value-block types 16 blocks a group, one block per int32 lane.
-  QT_Q4_0_R16 = 102, QT_Q4_1_R16 = 103, QT_Q5_0_R16 = 106, QT_Q8_0_R16 = 108, QT_Q4_K_R2 = 112,
+  // Q4_K in pairs of super-blocks; the 32-value-block types 16 blocks a group, one block per int32 lane; Q6_K its
+  // 16 scale groups of a super-block one per lane, the values in lane order.
+  QT_Q4_0_R16 = 102, QT_Q4_1_R16 = 103, QT_Q5_0_R16 = 106, QT_Q8_0_R16 = 108, QT_Q4_K_R2 = 112, QT_Q6_K_R16 = 114,
 };
 
 // Values and bytes per block of a GGML type (F32/F16/BF16: one value per "block").
@@ -46,6 +47,7 @@ static inline bool type_info(int qtype, TypeInfo* ti) {
     case QT_Q5_0_R16: *ti = {32, 22, "Q5_0_R16"}; return true;
     case QT_Q8_0_R16: *ti = {32, 34, "Q8_0_R16"}; return true;
     case QT_Q4_K_R2: *ti = {256, 144, "Q4_K_R2"}; return true;
+    case QT_Q6_K_R16: *ti = {256, 210, "Q6_K_R16"}; return true;
     default: return false;
   }
 }
@@ -105,7 +107,7 @@ void attn_group_avx2(const float* q, int G, const float* kc, const float* vc, in
 
 // ---- AVX512-VNNI integer path (qmatmul_vnni.cpp): int16 activations (per 32-block scale; x8: int8, as
 // llama.cpp), exact integer dot products with the file's quantized weights. Types Q4_0, Q4_1, Q5_0, Q8_0,
-// Q4_K, Q6_K, and the layouts of all but Q6_K made at load (vnni_layout).
+// Q4_K, Q6_K, and their layouts made at load (vnni_layout).
 bool vnni_usable();                 // AVX-512 F/BW/VL/DQ + VNNI (+FMA/F16C), checked at runtime
 bool qmm_vnni_supports(int qtype);  // the quantized types above
 // Bytes of prepared activation data per row (a multiple of 64); xg must be 64-byte aligned.
@@ -124,7 +126,7 @@ bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uin
 // The VNNI kernels' own layout of qtype (its id, see QType), or -1 where they read the file's bytes.
 static inline int vnni_layout(int qtype) {
   switch (qtype) {
-    case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q8_0: case QT_Q4_K: return qtype + 100;
+    case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q8_0: case QT_Q4_K: case QT_Q6_K: return qtype + 100;
     default: return -1;
   }
 }

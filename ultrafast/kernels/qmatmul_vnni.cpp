@@ -455,6 +455,52 @@ struct KQ6K {
   }
 };
 
+// Q6_K repacked at load (QT_Q6_K_R16, `qmm_repack_vnni`): kernel block = group = super-block of 256 (210 bytes), one
+// scale group of 16 values per int32 lane, in lane order: the low nibbles in 2 chunks of 64 bytes (byte 4l + j of chunk
+// c: value 8c + j of scale group l in its low nibble, 8c + 4 + j in its high one: weight vectors 2c, 2c + 1), the high
+// two bits in one chunk of 64 bytes (byte 4l + j, bits 2v..2v + 1: value 4v + j of scale group l), then the 16 int8
+// scales in lane order and d. The decode is 3 loads and 12 logic ops a super-block (KQ6K: 2 loads, 2 broadcasts, 26
+// ops, the scales permuted); the products and the fp32 step are KQ6K's.
+struct KQ6KR {
+  static constexpr int NVEC = 4, GV = 256, GPK = 1, KB = 256, KBYTES = 210;
+  static constexpr int IOFF = -32, MINS = 0;
+  static constexpr int TAIL = TAIL_NONE;
+  using X = XGN<4>;
+  // Prepared x: vector v, int32 lane l, byte j holds value 16l + 4v + j; lane l its block's s_b and -32 * the scale
+  // group's integer sum.
+  template <bool X8>
+  static void stage(const int16_t* q, const float* sb, const int32_t*, GroupStage<4, X8>& st) {
+    for (int l = 0; l < 16; ++l) {
+      int32_t gs = 0;
+      for (int v = 0; v < 4; ++v)
+        for (int j = 0; j < 4; ++j) st.put(v, 4 * l + j, q[16 * l + 4 * v + j]), gs += q[16 * l + 4 * v + j];
+      st.s[l] = sb[l / 2];
+      st.io[l] = -32 * gs;
+    }
+  }
+  struct Ctx {
+    __m512 d;
+  };
+  static UF_INLINE Ctx context(const uint8_t* p, int) {  // d * sc of scale group l on lane l
+    return {_mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192))))};
+  }
+  static UF_INLINE void decode(const uint8_t* p, int, const Ctx& ctx, __m512i* W, __m512& dvec, __m512& mvec) {
+    dvec = ctx.d;
+    mvec = _mm512_setzero_ps();
+    const __m512i m0f = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i H = _mm512_loadu_si512(p + 128);
+    // (lo & 0x0F) | (hi & 0x30): ternary logic 0xF8 on (lo & 0x0F, hi, 0x30), A | (B & C)
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+      const __m512i Q = _mm512_loadu_si512(p + 64 * c);
+      const __m512i HL = c ? H : _mm512_slli_epi16(H, 4);                  // bits 4c..4c+1 -> 4..5
+      const __m512i HH = c ? _mm512_srli_epi16(H, 2) : _mm512_slli_epi16(H, 2);  // bits 4c+2..4c+3 -> 4..5
+      W[2 * c] = _mm512_ternarylogic_epi32(_mm512_and_si512(Q, m0f), HL, m30, 0xF8);
+      W[2 * c + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(Q, 4), m0f), HH, m30, 0xF8);
+    }
+  }
+};
+
 // ---- activation prep --------------------------------------------------------------------------------
 
 // 32-value-block types but Q4_K: group G covers blocks 4G..4G+3 (those < nblk); lane i <- block bm(i).
@@ -510,16 +556,17 @@ void prep_row_lanes(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t
         prep_row32<typename T::Tail, X8>(x + 512 * nfull, K - 512 * nfull, tail, G - nfull, G - nfull + 1);
       continue;
     }
+    int16_t q[512];
+    float sb[16];
+    int32_t sum[16];
+    for (int l = 0; l < 16; ++l) sb[l] = quant32<X8>(x + 512 * G + 32 * l, q + 32 * l, &sum[l]);
     GroupStage<8, X8> st;
     for (int l = 0; l < 16; ++l) {
-      int16_t q[32];
-      int32_t sum;
-      const float sb = quant32<X8>(x + 512 * G + 32 * l, q, &sum);
       for (int v = 0; v < 8; ++v)
-        for (int j = 0; j < 4; ++j) st.put(v, 4 * l + j, q[4 * v + j]);
-      st.s[l] = sb;
-      st.io[l] = T::IOFF * sum;
-      st.xsf[l] = sb * (float)sum;
+        for (int j = 0; j < 4; ++j) st.put(v, 4 * l + j, q[32 * l + 4 * v + j]);
+      st.s[l] = sb[l];
+      st.io[l] = T::IOFF * sum[l];
+      st.xsf[l] = sb[l] * (float)sum[l];
     }
     st.store(reinterpret_cast<XGN<8>*>(out + G * sizeof(XGN<8>)));
   }
@@ -795,6 +842,7 @@ int64_t row_bytes_x(int64_t K) {
     case QT_Q5_0_R16: { using T = KB16<QT_Q5_0>; CALL; break; } \
     case QT_Q8_0_R16: { using T = KB16<QT_Q8_0>; CALL; break; } \
     case QT_Q6_K: { using T = KQ6K; CALL; break; }          \
+    case QT_Q6_K_R16: { using T = KQ6KR; CALL; break; }     \
     default: break;                                         \
   }
 
@@ -821,6 +869,7 @@ int64_t qmm_prep_bytes_vnni(int qtype, int64_t K) {
 
 int64_t qmm_prep_units_vnni(int qtype, int64_t K) {
   if (qtype == QT_Q4_K_R2) return K / 512 + K % 512 / 256;
+  if (qtype == QT_Q6_K_R16) return K / 256;
   if (is_vnni_layout(qtype)) return K / 512 + (K % 512 + 127) / 128;  // the groups, then K32's of the rest
   return qtype == QT_Q6_K || qtype == QT_Q4_K ? K / 256 : (K / 32 + 3) / 4;
 }
@@ -829,6 +878,7 @@ template <bool X8>
 void prep_range(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1) {
   switch (qtype) {
     case QT_Q6_K: prep_row_k<KQ6K, X8>(x, xg, G0, G1); break;
+    case QT_Q6_K_R16: prep_row_k<KQ6KR, X8>(x, xg, G0, G1); break;
     case QT_Q4_K: prep_row_k<KQ4K, X8>(x, xg, G0, G1); break;
     case QT_Q4_K_R2: prep_row_lanes<KQ4K2, X8>(x, K, xg, G0, G1); break;
     case QT_Q4_0_R16: prep_row_lanes<KB16<QT_Q4_0>, X8>(x, K, xg, G0, G1); break;
@@ -1014,10 +1064,37 @@ void repack_lanes(int qtype, int bb, const uint8_t* src, uint8_t* dst, int64_t r
 
 }  // namespace
 
+// Q6_K's super-blocks in KQ6KR's layout.
+void repack_q6k(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K) {
+  const int64_t nsb = rows * (K / 256);
+  for (int64_t b = 0; b < nsb; ++b) {
+    const uint8_t* s = src + 210 * b;
+    uint8_t* d = dst + 210 * b;
+    // value i (0..63 unsigned) of the super-block, as ggml's dequantize_row_q6_K reads it
+    auto val = [&](int i) {
+      const int h = i / 128, t = i % 128 / 32, l = i % 32;
+      const int lo = (s[64 * h + l + 32 * (t & 1)] >> (4 * (t >> 1))) & 15;
+      const int hi = (s[128 + 32 * h + l] >> (2 * t)) & 3;
+      return lo | hi << 4;
+    };
+    for (int g = 0; g < 16; ++g)  // scale group g on lane g
+      for (int j = 0; j < 4; ++j) {
+        for (int c = 0; c < 2; ++c)
+          d[64 * c + 4 * g + j] = (uint8_t)((val(16 * g + 8 * c + j) & 15) | (val(16 * g + 8 * c + 4 + j) & 15) << 4);
+        int h = 0;
+        for (int v = 0; v < 4; ++v) h |= (val(16 * g + 4 * v + j) >> 4) << (2 * v);
+        d[128 + 4 * g + j] = (uint8_t)h;
+      }
+    for (int i = 192; i < 210; ++i) d[i] = s[i];  // the scales (already one per scale group, in order) and d
+  }
+}
+
 void qmm_repack_vnni(int qtype, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K) {
   TypeInfo ti;
   if (qtype == QT_Q4_K)
     repack_q4k_pairs(src, dst, rows, K);
+  else if (qtype == QT_Q6_K)
+    repack_q6k(src, dst, rows, K);
   else if (vnni_layout(qtype) > 0 && type_info(qtype, &ti))
     repack_lanes(qtype, ti.bytes, src, dst, rows, K);
 }
