@@ -112,8 +112,9 @@ bool vnni_usable();                 // AVX-512 F/BW/VL/DQ + VNNI (+FMA/F16C), ch
 bool qmm_vnni_supports(int qtype);  // the quantized types above
 // Bytes of prepared activation data per row (a multiple of 64); xg must be 64-byte aligned.
 int64_t qmm_prep_bytes_vnni(int qtype, int64_t K);
-// Quantize and lay out one row's units [G0, G1) (of qmm_prep_units_vnni: groups of 128 values, the
-// K-quants' super-blocks of 256, the layouts' groups of 512 and then the file layout's groups of the rest); per row, so batch-invariant. x8: int8 activations (prep and rows must agree).
+// Quantize and lay out one row's units [G0, G1) (of qmm_prep_units_vnni: groups of 128 values, the K-quants'
+// super-blocks of 256, the layouts' groups of 512 and then the file layout's groups of the rest); per row, so
+// batch-invariant. x8: int8 activations (prep and rows must agree).
 int64_t qmm_prep_units_vnni(int qtype, int64_t K);
 void qmm_prep_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0, int64_t G1, bool x8);
 // y[r * ldy + n] for r in [0, k), n in [n0, n1); per element the arithmetic depends only on (qtype, K,

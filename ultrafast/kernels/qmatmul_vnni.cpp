@@ -581,11 +581,11 @@ void prep_row_lanes(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t
 // R_MAX (verification, batched decode), NW_MAX x 1 (decode: independent chains across weight rows), and
 // NW = 1 for the last row of an odd range. The tile never changes an output's arithmetic (see below).
 constexpr int NW_MAX = 2, R_MAX = 4;
-// The layouts made at load (KQ4K2, KB16) have eight weight vectors a row, which also allow a tile of one weight row x up to R2_MAX activation rows, which
-// pays where the chunks' x stays in L1 (see rows()). Measured with a harness over these kernels (random Q4_K, 2
-// threads, weights from memory; time against the file's layout), 8960 x 1536, int8, k = 1 / 4 / 10 / 16: 2 x 4 tile
-// 0.80 / 0.87 / 0.83 / 0.87, 1 x 8 tile 0.88 / 0.92 / 0.74 / 0.72; 1536 x 8960 (x 21 KB a row): 2 x 4 0.71 / 0.80 /
-// 0.80 / 0.78, 1 x 8 0.81 / 1.11 / 1.05 / 1.06.
+// The layouts made at load with eight weight vectors a row (KQ4K2, KB16) also allow a tile of one weight row x up to
+// R2_MAX activation rows, which pays where the chunks' x stays in L1 (see rows()). Measured with a harness over these
+// kernels (random Q4_K, 2 threads, weights from memory; time against the file's layout), 8960 x 1536, int8, k = 1 /
+// 4 / 10 / 16: 2 x 4 tile 0.80 / 0.87 / 0.83 / 0.87, 1 x 8 tile 0.88 / 0.92 / 0.74 / 0.72; 1536 x 8960 (x 21 KB a
+// row): 2 x 4 0.71 / 0.80 / 0.80 / 0.78, 1 x 8 0.81 / 1.11 / 1.05 / 1.06.
 constexpr int R2_MAX = 8;
 // Up to this many bytes of prepared x, every tile of weight rows is read whole against all activation rows
 // (x stays in L2); more (prefill) takes the weight-tiled schedule (see rows()). Measured on the 1.5B's down
@@ -718,7 +718,7 @@ __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t rb, int
   if constexpr (T::TAIL == TAIL_MASKED) {  // a last group of fewer blocks
     if (nfull * T::KB < K)
       kblock<T, NW, R, X8>(wr + nfull * T::KBYTES, rb, xg + nfull * XB, ldx, acc, (int)((K - nfull * T::KB) / 32));
-  } else if constexpr (T::TAIL == TAIL_FILE) {  // the rest in the file's layout: T::Tail's groups, the last maybe partial
+  } else if constexpr (T::TAIL == TAIL_FILE) {  // the rest in the file's layout: T::Tail's groups (the last partial?)
     using U = typename T::Tail;
     const uint8_t* wt = wr + nfull * T::KBYTES;
     const uint8_t* xt = xg + nfull * XB;
@@ -803,8 +803,8 @@ bool schedule(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_
   return true;
 }
 
-// The tile and schedule for k activation rows (the tile never changes an output's arithmetic): KQ4K2 and KB16 take one weight
-// row x up to R2_MAX activation rows when k > R_MAX and a chunk's x fits L1 (whole rows while all of x stays in
+// The tile and schedule for k activation rows (the tile never changes an output's arithmetic): KQ4K2 and KB16 take one
+// weight row x up to R2_MAX activation rows when k > R_MAX and a chunk's x fits L1 (whole rows while all of x stays in
 // L1); every other case NW_MAX x R_MAX, whole rows up to 2 * R_MAX activation rows or WHOLE_ROWS_X bytes of x.
 template <class T, bool X8>
 bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
@@ -821,7 +821,8 @@ template <class T>
 int64_t row_bytes_x(int64_t K) {
   if constexpr (T::TAIL == TAIL_FILE) {
     using U = typename T::Tail;
-    return K / T::KB * (int64_t)sizeof(typename T::X) + (K % T::KB + U::KB - 1) / U::KB * (int64_t)sizeof(typename U::X);
+    const int64_t rest_groups = (K % T::KB + U::KB - 1) / U::KB;
+    return K / T::KB * (int64_t)sizeof(typename T::X) + rest_groups * (int64_t)sizeof(typename U::X);
   }
   const int64_t nkb = (K + T::KB - 1) / T::KB;
   return nkb * T::GPK * (int64_t)sizeof(typename T::X);
