@@ -405,11 +405,16 @@ struct KB16 {
 // B1 gives the 4 weight vectors W[v] whose int32 lane 4i + s holds values 4v..4v+3 of scale group 4s + i, so
 // after the 8 dot products of a super-block every lane holds one scale group's 16 values and one fp step
 // covers 256 values. The lane sums stay exact through the convert: |sum (q - 32) x| <= 16 * 32 * 32639 < 2^24.
-struct KQ6K {
+struct Q6KShape {  // what the Q6_K layouts (KQ6K, KQ6KR) share: a super-block a group, d * sc on its lanes
   static constexpr int NVEC = 4, GV = 256, GPK = 1, KB = 256, KBYTES = 210;
   static constexpr int IOFF = -32, MINS = 0;
   static constexpr int TAIL = TAIL_NONE;
   using X = XGN<4>;
+  struct Ctx {
+    __m512 d;
+  };
+};
+struct KQ6K : Q6KShape {
   // Prepared x (see prep_row_k): vector v, 128-bit lane i, bytes 4t..4t+3 hold values 64t + 16i + 4v .. +3
   // (scale group 4t + i); its s_b, and -32 * its integer sum, on int32 lane 4i + t.
   template <bool X8>
@@ -425,9 +430,6 @@ struct KQ6K {
         st.io[4 * i + t] = -32 * gs;
       }
   }
-  struct Ctx {
-    __m512 d;
-  };
   static UF_INLINE Ctx context(const uint8_t* p, int) {  // d * sc of scale group 4s + i on lane 4i + s
     const __m512 dsc =
         _mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192))));
@@ -461,11 +463,7 @@ struct KQ6K {
 // two bits in one chunk of 64 bytes (byte 4l + j, bits 2v..2v + 1: value 4v + j of scale group l), then the 16 int8
 // scales in lane order and d. The decode is 3 loads and 12 logic ops a super-block (KQ6K: 2 loads, 2 broadcasts, 26
 // ops, the scales permuted); the products and the fp32 step are KQ6K's.
-struct KQ6KR {
-  static constexpr int NVEC = 4, GV = 256, GPK = 1, KB = 256, KBYTES = 210;
-  static constexpr int IOFF = -32, MINS = 0;
-  static constexpr int TAIL = TAIL_NONE;
-  using X = XGN<4>;
+struct KQ6KR : Q6KShape {
   // Prepared x: vector v, int32 lane l, byte j holds value 16l + 4v + j; lane l its block's s_b and -32 * the scale
   // group's integer sum.
   template <bool X8>
@@ -478,9 +476,6 @@ struct KQ6KR {
       st.io[l] = -32 * gs;
     }
   }
-  struct Ctx {
-    __m512 d;
-  };
   static UF_INLINE Ctx context(const uint8_t* p, int) {  // d * sc of scale group l on lane l
     return {_mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192))))};
   }
