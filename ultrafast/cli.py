@@ -105,7 +105,8 @@ def _load_engine(args):
     info = engine.describe()
     print(f"loaded {path.name} in {time.perf_counter() - t0:.1f}s: {info['layers']} layers, "
           f"weights {info['weight_bytes_held'] / 1e6:.0f} MB held ({info['weight_bytes_layout'] / 1e6:.0f} MB of them the "
-          f"kernels' layouts) for {info['file_tensor_bytes'] / 1e6:.0f} MB in the file, {info['weight_bytes_per_token'] / 1e6:.0f} MB read per token; KV cache "
+          f"kernels' layouts) for {info['file_tensor_bytes'] / 1e6:.0f} MB in the file, "
+          f"{info['weight_bytes_per_token'] / 1e6:.0f} MB read per token; KV cache "
           f"{info['max_context']} tokens = {info['kv_cache_bytes'] / 1e6:.0f} MB; {info['device']}",
           file=sys.stderr)
     if getattr(args, "tier", None) == "ultrafast" and not info["batch_invariant"]:

@@ -48,9 +48,9 @@ class PackedLinear(nn.Module):
 
     def weights(self, vnni: bool) -> tuple[torch.Tensor, int]:
         """The bytes and type id the kernels read (vnni: whether the VNNI kernels run now): the file's, except on the
-        VNNI kernels for the types they read in their own layout (`kernels.repack_vnni`: Q4_0, Q4_1, Q5_0, Q8_0,
-        Q4_K; one fp32 step per 512 values, no weight permutes), made once from `raw` (which keeps the file's bytes
-        for every other reader and path)."""
+        VNNI kernels, which read every quantized type in their own layout (`kernels.repack_vnni`: Q4_0, Q4_1, Q5_0,
+        Q8_0 and Q4_K with one fp32 step per 512 values, Q6_K without weight permutes), made once from `raw` (which
+        keeps the file's bytes for every other reader and path)."""
         layout = kernels.vnni_layout(self.qtype) if vnni else None
         if layout is None:
             return self.raw, self.qtype
