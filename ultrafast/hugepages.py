@@ -38,10 +38,19 @@ def _advise_huge(mm: mmap.mmap, start: int, length: int) -> None:
 def copy_to_hugepages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of `tensors` (CPU, contiguous results, same dtypes and shapes) placed one after another in one
     anonymous mapping advised for huge pages. The mapping lives as long as any of the copies does."""
-    sizes = [t.numel() * t.element_size() for t in tensors]
+    out = empty_on_hugepages(tensors)
+    for dst, t in zip(out, tensors):
+        dst.copy_(t)
+    return out
+
+
+def empty_on_hugepages(like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors of the dtypes and shapes of `like`, contents unset (zero pages until written), placed as
+    `copy_to_hugepages` places its copies."""
+    sizes = [t.numel() * t.element_size() for t in like]
     total = sum((n + ALIGN - 1) // ALIGN * ALIGN for n in sizes)
     if total == 0:
-        return [t.clone() for t in tensors]
+        return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
     # anonymous and private (Python's default for -1 is shared, i.e. shmem, which THP "madvise" leaves alone)
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     mm = mmap.mmap(-1, total + HUGE_PAGE, flags=flags) if flags else mmap.mmap(-1, total + HUGE_PAGE)
@@ -49,10 +58,8 @@ def copy_to_hugepages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     start = (-whole.data_ptr()) % HUGE_PAGE  # the first 2 MB boundary (a multiple of the 4 KB page size)
     _advise_huge(mm, start, total)  # before the first write: the faults then take 2 MB pages
     out, off = [], start
-    for t, n in zip(tensors, sizes):
-        dst = whole[off:off + n].view(t.dtype).view(t.shape)
-        dst.copy_(t)
-        out.append(dst)
+    for t, n in zip(like, sizes):
+        out.append(whole[off:off + n].view(t.dtype).view(t.shape))
         off += (n + ALIGN - 1) // ALIGN * ALIGN
     return out
 

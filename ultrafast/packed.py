@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import kernels
-from .hugepages import copy_to_hugepages
+from .hugepages import empty_on_hugepages
 from .model import AttentionCore, RMSNorm, linear_weight_name, swap_module
 
 
@@ -151,7 +151,7 @@ def _make_layouts_on_hugepages(lins: list[PackedLinear]) -> None:
     """The VNNI kernels' layouts of these linears made now, at load, held beside the file's bytes in one mapping on
     huge pages like those (`hugepages.py`: the decode step streams them; a layout has the file's bytes per row)."""
     need = [m for m in lins if kernels.vnni_layout(m.qtype) is not None]
-    homes = copy_to_hugepages([m.raw for m in need])  # room for each layout, filled below
+    homes = empty_on_hugepages([m.raw for m in need])  # room for each layout (the file's bytes per row)
     for m, home in zip(need, homes):
         home.copy_(kernels.repack_vnni(m.raw, m.qtype, m.in_features))
         m.raw_vnni, m._vnni_of = home, m.raw

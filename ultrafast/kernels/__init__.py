@@ -320,8 +320,8 @@ def qmatmul(x: torch.Tensor, w: torch.Tensor, qtype: int, in_features: int, act_
 
 def vnni_layout(qtype: int) -> int | None:
     """The type id of the VNNI kernels' own layout of `qtype` (`repack_vnni`), or None where they read the file's."""
-    return {Q4_0: Q4_0_R16, Q4_1: Q4_1_R16, Q5_0: Q5_0_R16, Q8_0: Q8_0_R16, Q4_K: Q4_K_R2,
-            Q6_K: Q6_K_R16}.get(int(qtype))
+    layout = _ext_or_load().vnni_layout(int(qtype))
+    return None if layout < 0 else layout
 
 
 def repack_vnni(w: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:

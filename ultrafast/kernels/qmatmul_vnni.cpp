@@ -148,6 +148,18 @@ struct GroupStage {
   }
 };
 
+// The 4 chunks of 64 bytes at q split into 8 weight vectors: chunk u's low nibbles to W[2u], its high ones to W[2u + 1]
+// (the nibble layouts made at load, KQ4K2 and KB16).
+UF_INLINE void split_nibble_chunks(const uint8_t* q, __m512i* W) {
+  const __m512i m0f = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+  for (int u = 0; u < 4; ++u) {
+    const __m512i Q = _mm512_loadu_si512(q + 64 * u);
+    W[2 * u] = _mm512_and_si512(Q, m0f);
+    W[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(Q, 4), m0f);
+  }
+}
+
 // ---- kernel types ------------------------------------------------------------------------------------
 // How a row whose K is not a multiple of KB ends (T::TAIL): TAIL_NONE it cannot (the K-quants: K % 256 == 0);
 // TAIL_MASKED in a group of fewer blocks, loaded with masks (K32: context's n, the blocks there); TAIL_FILE the values
@@ -336,13 +348,7 @@ struct KQ4K2 {
   static UF_INLINE void decode(const uint8_t* p, int, const Ctx& ctx, __m512i* W, __m512& dvec, __m512& mvec) {
     dvec = ctx.d;
     mvec = _mm512_setzero_ps();
-    const __m512i m0f = _mm512_set1_epi8(0x0F);
-#pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) {
-      const __m512i Q = _mm512_loadu_si512(p + 32 + 64 * u);
-      W[2 * u] = _mm512_and_si512(Q, m0f);
-      W[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(Q, 4), m0f);
-    }
+    split_nibble_chunks(p + 32, W);
   }
 };
 
@@ -379,13 +385,7 @@ struct KB16 {
       for (int v = 0; v < 8; ++v) W[v] = _mm512_loadu_si512(p + 32 + 64 * v);
     } else {
       constexpr int HEAD = QT == QT_Q4_1 ? 64 : QT == QT_Q5_0 ? 96 : 32;  // bytes before the values
-      const __m512i m0f = _mm512_set1_epi8(0x0F);
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) {
-        const __m512i Q = _mm512_loadu_si512(p + HEAD + 64 * u);
-        W[2 * u] = _mm512_and_si512(Q, m0f);
-        W[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(Q, 4), m0f);
-      }
+      split_nibble_chunks(p + HEAD, W);
       if constexpr (QT == QT_Q5_0) {  // the fifth bits: + 16 where set (the nibble is below 16)
         const __m512i b16 = _mm512_set1_epi8(0x10);
 #pragma GCC unroll 8
@@ -413,6 +413,9 @@ struct Q6KShape {  // what the Q6_K layouts (KQ6K, KQ6KR) share: a super-block a
   struct Ctx {
     __m512 d;
   };
+  static UF_INLINE __m512 dsc(const uint8_t* p) {  // d * sc of scale group g on lane g
+    return _mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192))));
+  }
 };
 struct KQ6K : Q6KShape {
   // Prepared x (see prep_row_k): vector v, 128-bit lane i, bytes 4t..4t+3 hold values 64t + 16i + 4v .. +3
@@ -431,9 +434,7 @@ struct KQ6K : Q6KShape {
       }
   }
   static UF_INLINE Ctx context(const uint8_t* p, int) {  // d * sc of scale group 4s + i on lane 4i + s
-    const __m512 dsc =
-        _mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192))));
-    return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), dsc)};
+    return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), dsc(p))};
   }
   static UF_INLINE void decode(const uint8_t* p, int, const Ctx& ctx, __m512i* W, __m512& dvec, __m512& mvec) {
     dvec = ctx.d;
@@ -476,9 +477,7 @@ struct KQ6KR : Q6KShape {
       st.io[l] = -32 * gs;
     }
   }
-  static UF_INLINE Ctx context(const uint8_t* p, int) {  // d * sc of scale group l on lane l
-    return {_mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192))))};
-  }
+  static UF_INLINE Ctx context(const uint8_t* p, int) { return {dsc(p)}; }  // the scales are in lane order
   static UF_INLINE void decode(const uint8_t* p, int, const Ctx& ctx, __m512i* W, __m512& dvec, __m512& mvec) {
     dvec = ctx.d;
     mvec = _mm512_setzero_ps();
@@ -812,15 +811,31 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
                                         k <= 2 * R_MAX || k * ldx <= WHOLE_ROWS_X);
 }
 
+// A row's prepared x: its kernel blocks (the last maybe partial), or (TAIL_FILE) its whole kernel blocks and then
+// T::Tail's groups of the rest; units: how many of each, bytes: what they take.
+template <class T>
+void x_units(int64_t K, int64_t* own, int64_t* tail) {
+  if constexpr (T::TAIL == TAIL_FILE) {
+    *own = K / T::KB;
+    *tail = (K % T::KB + T::Tail::KB - 1) / T::Tail::KB;
+  } else {
+    *own = (K + T::KB - 1) / T::KB;
+    *tail = 0;
+  }
+}
+template <class T>
+int64_t row_units_x(int64_t K) {
+  int64_t own, tail;
+  x_units<T>(K, &own, &tail);
+  return own + tail;
+}
 template <class T>
 int64_t row_bytes_x(int64_t K) {
-  if constexpr (T::TAIL == TAIL_FILE) {
-    using U = typename T::Tail;
-    const int64_t rest_groups = (K % T::KB + U::KB - 1) / U::KB;
-    return K / T::KB * (int64_t)sizeof(typename T::X) + rest_groups * (int64_t)sizeof(typename U::X);
-  }
-  const int64_t nkb = (K + T::KB - 1) / T::KB;
-  return nkb * T::GPK * (int64_t)sizeof(typename T::X);
+  int64_t own, tail;
+  x_units<T>(K, &own, &tail);
+  int64_t bytes = own * T::GPK * (int64_t)sizeof(typename T::X);
+  if constexpr (T::TAIL == TAIL_FILE) bytes += tail * (int64_t)sizeof(typename T::Tail::X);
+  return bytes;
 }
 
 }  // namespace
@@ -864,10 +879,9 @@ int64_t qmm_prep_bytes_vnni(int qtype, int64_t K) {
 }
 
 int64_t qmm_prep_units_vnni(int qtype, int64_t K) {
-  if (qtype == QT_Q4_K_R2) return K / 512 + K % 512 / 256;
-  if (qtype == QT_Q6_K_R16) return K / 256;
-  if (is_vnni_layout(qtype)) return K / 512 + (K % 512 + 127) / 128;  // the groups, then K32's of the rest
-  return qtype == QT_Q6_K || qtype == QT_Q4_K ? K / 256 : (K / 32 + 3) / 4;
+  int64_t n = 0;
+  UF_VNNI_DISPATCH(qtype, n = row_units_x<T>(K))
+  return n;
 }
 
 template <bool X8>
@@ -980,7 +994,7 @@ int64_t vnni_product_chains(int64_t, bool) { return 0; }
 
 #endif
 
-// The VNNI kernels' layouts (KQ4K2, KB16), plain C++ (no vector instructions): made once per weight, at load.
+// The VNNI kernels' layouts (KQ4K2, KB16, KQ6KR), plain C++ (no vector instructions): made once per weight, at load.
 namespace ultrafast {
 namespace {
 
@@ -1014,7 +1028,6 @@ void repack_lanes(int qtype, int bb, const uint8_t* src, uint8_t* dst, int64_t r
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = nblk / 16 * 16 * bb; i < rb; ++i) dst[r * rb + i] = src[r * rb + i];  // the rest as it is
     for (int64_t g0 = 0; g0 + 16 <= nblk; g0 += 16) {
-      constexpr int n = 16;
       const uint8_t* s = src + r * rb + g0 * bb;
       uint8_t* d = dst + r * rb + g0 * bb;
       // value i (0..31) of block l as the kernels multiply it: Q4 the nibble, Q5_0 without its fifth bit, Q8_0 + 128
@@ -1023,42 +1036,36 @@ void repack_lanes(int qtype, int bb, const uint8_t* src, uint8_t* dst, int64_t r
         if (qtype == QT_Q8_0) return q[i] ^ 0x80;
         return i < 16 ? q[i] & 15 : q[i - 16] >> 4;
       };
-      int off = 0;
-      for (int l = 0; l < n; ++l) d[2 * l] = s[l * bb], d[2 * l + 1] = s[l * bb + 1];
-      off += 2 * n;
-      if (qtype == QT_Q4_1) {
-        for (int l = 0; l < n; ++l) d[off + 2 * l] = s[l * bb + 2], d[off + 2 * l + 1] = s[l * bb + 3];
-        off += 2 * n;
+      for (int l = 0; l < 16; ++l) d[2 * l] = s[l * bb], d[2 * l + 1] = s[l * bb + 1];  // the d
+      int off = 32;
+      if (qtype == QT_Q4_1) {  // the m
+        for (int l = 0; l < 16; ++l) d[off + 2 * l] = s[l * bb + 2], d[off + 2 * l + 1] = s[l * bb + 3];
+        off += 32;
       }
-      if (qtype == QT_Q5_0) {  // mask v, bit 4l + j: the fifth bit of value 4v + j of block l; 8 masks of 4n bits
-        for (int i = 0; i < 4 * n; ++i) d[off + i] = 0;
-        for (int l = 0; l < n; ++l) {
-          const uint32_t qh = (uint32_t)s[l * bb + 2] | (uint32_t)s[l * bb + 3] << 8 | (uint32_t)s[l * bb + 4] << 16 |
-                              (uint32_t)s[l * bb + 5] << 24;
+      if (qtype == QT_Q5_0) {  // mask v, bit 4l + j: the fifth bit of value 4v + j of block l
+        uint64_t mask[8] = {};
+        for (int l = 0; l < 16; ++l) {
+          uint32_t qh;
+          __builtin_memcpy(&qh, s + l * bb + 2, 4);
           for (int v = 0; v < 8; ++v)
-            for (int j = 0; j < 4; ++j)
-              if (qh >> (4 * v + j) & 1) {
-                const int bit = 4 * n * v + 4 * l + j;
-                d[off + bit / 8] |= (uint8_t)(1 << (bit % 8));
-              }
+            for (int j = 0; j < 4; ++j) mask[v] |= (uint64_t)(qh >> (4 * v + j) & 1) << (4 * l + j);
         }
-        off += 4 * n;
+        __builtin_memcpy(d + off, mask, 64);
+        off += 64;
       }
-      if (qtype == QT_Q8_0) {
+      if (qtype == QT_Q8_0) {  // chunk v, byte 4l + j: value 4v + j of block l
         for (int v = 0; v < 8; ++v)
-          for (int l = 0; l < n; ++l)
-            for (int j = 0; j < 4; ++j) d[off + 4 * n * v + 4 * l + j] = (uint8_t)val(l, 4 * v + j);
-      } else {
+          for (int l = 0; l < 16; ++l)
+            for (int j = 0; j < 4; ++j) d[off + 64 * v + 4 * l + j] = (uint8_t)val(l, 4 * v + j);
+      } else {  // chunk u, byte 4l + j: values 8u + j (low nibble) and 8u + 4 + j (high) of block l
         for (int u = 0; u < 4; ++u)
-          for (int l = 0; l < n; ++l)
+          for (int l = 0; l < 16; ++l)
             for (int j = 0; j < 4; ++j)
-              d[off + 4 * n * u + 4 * l + j] = (uint8_t)(val(l, 8 * u + j) | val(l, 8 * u + 4 + j) << 4);
+              d[off + 64 * u + 4 * l + j] = (uint8_t)(val(l, 8 * u + j) | val(l, 8 * u + 4 + j) << 4);
       }
     }
   }
 }
-
-}  // namespace
 
 // Q6_K's super-blocks in KQ6KR's layout.
 void repack_q6k(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K) {
@@ -1084,6 +1091,8 @@ void repack_q6k(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K) {
     for (int i = 192; i < 210; ++i) d[i] = s[i];  // the scales (already one per scale group, in order) and d
   }
 }
+
+}  // namespace
 
 void qmm_repack_vnni(int qtype, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K) {
   TypeInfo ti;
