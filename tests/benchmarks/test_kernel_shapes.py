@@ -17,6 +17,20 @@ def test_each_linear_is_timed_from_memory_and_from_cache(smollm_path, tmp_path, 
     assert "memory/cached" in capsys.readouterr().out
 
 
+def test_the_layouts_are_timed_against_the_files_bytes(smollm_path, tmp_path, capsys, vnni):
+    """--vs-file-layout: each linear also on the file's bytes (SmolLM2's Q4_1, read by the kernels in their own
+    layout); without it no such figure."""
+    from ultrafast import kernels
+
+    out = tmp_path / "shapes.json"
+    assert main(["--model", str(smollm_path), "--ks", "2", "--reps", "1", "--vs-file-layout", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 7 and all(x["file_layout_ms"] > 0 and x["qtype_read"] == kernels.Q4_1_R16 for x in rows)
+    assert "layout/file" in capsys.readouterr().out
+    assert main(["--model", str(smollm_path), "--ks", "1", "--reps", "1", "--json", str(out)]) == 0
+    assert all(x["file_layout_ms"] is None for x in json.loads(out.read_text())["rows"])
+
+
 def test_bad_arguments_are_one_error_line(capsys):
     assert main(["--model", "no-such-model", "--ks", "1"]) == 2
     assert capsys.readouterr().err.startswith("error:")

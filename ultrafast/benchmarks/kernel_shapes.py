@@ -1,7 +1,7 @@
 """Each linear of the model's decoder layers through the packed kernel, with its weights from memory and from cache.
 
     python -m ultrafast.benchmarks.kernel_shapes [--model qwen2.5-coder-1.5b] [--ks 1,2,4,8,16] [--reps 5]
-                                                 [--threads 2] [--json F]
+                                                 [--threads 2] [--activation-bits 16|8] [--vs-file-layout] [--json F]
 
 For every linear of a decoder layer (q, k, v, o, gate, up, down) and every k: the time of one k-row product
 (`kernels.qmatmul`: the kernel the fused layer runs, with x's preparation and the threads' start) with the weights streamed from memory (the same linear of every
@@ -9,7 +9,9 @@ layer in turn: all layers' copies are far larger than the caches) against the sa
 layer's copy only, called as many times (its bytes stay in the caches after the first call). Where the two
 agree, the kernel is bound by its own instructions, not by the memory; the weight stream's GB/s and, on the
 VNNI path, the share of the multiply peak (`kernels.multiply_peak`, measured in the same run) say how far it is
-from either limit. Best of --reps per figure.
+from either limit. Best of --reps per figure. --vs-file-layout (VNNI path) also times, from memory, each linear on
+the file's bytes where the kernels read their own layout of them (`PackedLinear.weights`), its sweeps taking turns
+with the layout's in the same process: the layouts' gain, free of the minute-to-minute drift between two runs.
 """
 
 from __future__ import annotations
@@ -25,20 +27,23 @@ from .. import kernels
 from ..packed import PackedLinear, vnni_path
 
 
-def best_per_call(mods: list[PackedLinear], k: int, reps: int) -> float:
+def best_per_call(mods: list[PackedLinear], k: int, reps: int, file_layout: bool = False) -> list[float]:
     """Seconds per k-row product, best of `reps` sweeps over `mods` (one product each), on the bytes the kernels
-    read on the path in use (`PackedLinear.weights`)."""
+    read on the path in use (`PackedLinear.weights`), and (file_layout) on the file's bytes, the two sweeps taking
+    turns: one figure per kind of bytes."""
     x = torch.randn(k, mods[0].in_features)
     vnni = vnni_path()
-    ws = [m.weights(vnni) for m in mods]
-    kernels.qmatmul(x, *ws[0], mods[0].in_features, mods[0].act_bits)  # threads up, x's buffers
-    best = float("inf")
+    kinds = [[m.weights(vnni) for m in mods]] + ([[(m.raw, m.qtype) for m in mods]] if file_layout else [])
+    best = [float("inf")] * len(kinds)
+    for ws in kinds:
+        kernels.qmatmul(x, *ws[0], mods[0].in_features, mods[0].act_bits)  # threads up, x's buffers
     for _ in range(reps):
-        t = time.perf_counter()
-        for m, (w, qtype) in zip(mods, ws):
-            kernels.qmatmul(x, w, qtype, m.in_features, m.act_bits)
-        best = min(best, time.perf_counter() - t)
-    return best / len(mods)
+        for i, ws in enumerate(kinds):
+            t = time.perf_counter()
+            for m, (w, qtype) in zip(mods, ws):
+                kernels.qmatmul(x, w, qtype, m.in_features, m.act_bits)
+            best[i] = min(best[i], time.perf_counter() - t)
+    return [b / len(mods) for b in best]
 
 
 def layer_linears(model) -> dict[str, list[PackedLinear]]:
@@ -51,7 +56,8 @@ def layer_linears(model) -> dict[str, list[PackedLinear]]:
     return out
 
 
-def run(model: str, ks: list[int], reps: int = 5, threads: int = 2, activation_bits: int = 16) -> dict:
+def run(model: str, ks: list[int], reps: int = 5, threads: int = 2, activation_bits: int = 16,
+        vs_file_layout: bool = False) -> dict:
     from ..engine import Engine
 
     torch.set_num_threads(threads)
@@ -61,16 +67,20 @@ def run(model: str, ks: list[int], reps: int = 5, threads: int = 2, activation_b
         raise ValueError(f"{model}: no packed weights (the CPU kernels did not build?)")
     info = engine.describe()
     vnni = "vnni" in info["kernels"]
+    if vs_file_layout and not vnni:
+        raise ValueError("--vs-file-layout compares the VNNI kernels' layouts; this path reads the file's bytes")
     peaks = [kernels.multiply_peak(threads)] if vnni else []
     rows = []
     for name, mods in mats.items():
         m = mods[0]
         for k in ks:
-            memory = best_per_call(mods, k, reps)
-            cached = best_per_call([m] * len(mods), k, reps)
-            rows.append({"linear": name.split(".")[-1], "qtype": m.qtype, "qtype_read": m.weights(vnni_path())[1], "out": m.out_features, "in": m.in_features,
-                         "act_bits": m.act_bits, "k": k, "memory_ms": memory * 1e3, "cached_ms": cached * 1e3,
-                         "memory_gb_s": m.raw.numel() / memory / 1e9})
+            memory = best_per_call(mods, k, reps, vs_file_layout)
+            cached = best_per_call([m] * len(mods), k, reps)[0]
+            rows.append({"linear": name.split(".")[-1], "qtype": m.qtype, "qtype_read": m.weights(vnni_path())[1],
+                         "out": m.out_features, "in": m.in_features, "act_bits": m.act_bits, "k": k,
+                         "memory_ms": memory[0] * 1e3, "cached_ms": cached * 1e3,
+                         "memory_gb_s": m.raw.numel() / memory[0] / 1e9,
+                         "file_layout_ms": memory[1] * 1e3 if vs_file_layout else None})
     # the peak again after the products, the higher kept: a shared host sometimes holds one of the threads back
     peak = max(peaks + [kernels.multiply_peak(threads)], key=lambda p: p.vpdpbusd_per_s) if vnni else None
     for x in rows:
@@ -83,13 +93,16 @@ def run(model: str, ks: list[int], reps: int = 5, threads: int = 2, activation_b
 def format_table(r: dict) -> str:
     head = (f"{r['model']}, {r['kernels']}, {r['threads']} threads; each figure the best of the runs; memory: the "
             f"linear of each of the {r['layers']} layers in turn, cached: the first layer's again")
+    vs = any(x.get("file_layout_ms") is not None for x in r["rows"])
     lines = [head, f"{'linear':>8} {'shape':>12} {'k':>3} {'memory ms':>10} {'cached ms':>10} {'memory/cached':>14} "
-                   f"{'GB/s':>6} {'% of peak':>10}"]
+                   f"{'GB/s':>6} {'% of peak':>10}" + (f" {'file layout ms':>15} {'layout/file':>12}" if vs else "")]
     for x in r["rows"]:
         pct = f"{x['pct_of_peak']:.0f}%" if x["pct_of_peak"] is not None else "-"
-        lines.append(f"{x['linear']:>8} {str(x['out']) + 'x' + str(x['in']):>12} {x['k']:>3} {x['memory_ms']:>10.3f} "
-                     f"{x['cached_ms']:>10.3f} {x['memory_ms'] / x['cached_ms']:>14.2f} {x['memory_gb_s']:>6.1f} "
-                     f"{pct:>10}")
+        line = (f"{x['linear']:>8} {str(x['out']) + 'x' + str(x['in']):>12} {x['k']:>3} {x['memory_ms']:>10.3f} "
+                f"{x['cached_ms']:>10.3f} {x['memory_ms'] / x['cached_ms']:>14.2f} {x['memory_gb_s']:>6.1f} {pct:>10}")
+        if vs:
+            line += f" {x['file_layout_ms']:>15.3f} {x['memory_ms'] / x['file_layout_ms']:>12.2f}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -103,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--activation-bits", type=int, choices=(16, 8), default=16,
                     help="the quantized linears' activations: 16 (default) or 8 (llama.cpp's)")
+    ap.add_argument("--vs-file-layout", action="store_true",
+                    help="also time each linear on the file's bytes, taking turns with the kernels' own layout")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     try:
@@ -112,7 +127,7 @@ def main(argv=None) -> int:
     if any(k < 1 for k in ks) or args.reps < 1 or args.threads < 1:
         ap.error("--ks, --reps and --threads must be positive")
     try:
-        r = run(args.model, ks, args.reps, args.threads, args.activation_bits)
+        r = run(args.model, ks, args.reps, args.threads, args.activation_bits, args.vs_file_layout)
     except (ValueError, FileNotFoundError, PullError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
