@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import kernels
 from .grammar import Grammar
 
 
@@ -177,6 +178,18 @@ def sample_from(probs: torch.Tensor, u: float) -> int:
     return idx
 
 
+def sample_token(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
+    """The sampled rule at one position: `sample_from(probabilities(logits, p), u)`. On CPU logits with the C++
+    kernels loaded it runs as one fused call (`kernels.sample_row`: ~0.15 ms against ~1 ms of PyTorch ops on a 152k
+    vocabulary, where ten candidates' steps spent ~12 ms of ~110 sampling); the two agree but for the rounding of
+    their sums (a u within ~1e-7 of a boundary between two tokens). A process uses one of them for every request and
+    tier."""
+    x = logits.reshape(-1)
+    if x.device.type == "cpu" and kernels.available():
+        return kernels.sample_row(x.float().contiguous(), p.temperature, p.top_k, p.top_p, p.min_p, u)
+    return sample_from(probabilities(x, p), u)
+
+
 class Sampler:
     """Per-request sampling state: the params, the seeded stream of uniforms, the token history, the grammar's
     matcher (`constraint`, a grammar.Constraint, when the params carry a grammar) and, when asked, the record of
@@ -207,9 +220,6 @@ class Sampler:
             return tokens, parents
         return self.constraint.cut(self.history[self.n_prompt:], tokens, parents)
 
-    def distribution(self, logits: torch.Tensor, history: list[int] | None = None) -> torch.Tensor:
-        return probabilities(self.adjusted(logits, history), self.params)
-
     def uniform(self, ahead: int = 0) -> float:
         """The uniform the sample `ahead` positions from now will use (0: the next one); not consumed."""
         while len(self._ahead) <= ahead:
@@ -222,7 +232,7 @@ class Sampler:
         argmax after the penalty; sampled: the inverse CDF at the very uniform the target will use)."""
         if self.params.greedy:
             return int(torch.argmax(self.adjusted(logits, history)))
-        return sample_from(self.distribution(logits, history), self.uniform(ahead))
+        return sample_token(self.adjusted(logits, history), self.params, self.uniform(ahead))
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits [V] for the next position -> token id; records it in the history (and its logprobs)."""

@@ -27,6 +27,8 @@
 #include "scratch.h"
 
 namespace ultrafast {
+void register_sampling(pybind11::module_& m);  // sampling.cpp
+
 namespace {
 
 void set_kernels_path(const std::string& p) {
@@ -394,6 +396,7 @@ torch::Tensor repack_vnni(const torch::Tensor& w, int64_t qtype, int64_t in_feat
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ultrafast batch-invariant packed-weight CPU kernels";
+  ultrafast::register_sampling(m);
   // The compute entry points release the GIL (they touch no Python objects), so other Python threads,
   // e.g. a server's I/O, keep running during a forward pass.
   m.def("qmatmul", &ultrafast::qmatmul, "y = x @ dequant(w).T for raw GGUF weight rows", py::arg("x"), py::arg("w"),
