@@ -1,4 +1,5 @@
-"""Each linear of the model's decoder layers through the packed kernel, with its weights from memory and from cache.
+"""Each linear of the model's decoder layers, and its LM head, through the packed kernel, with its weights from memory
+and (the layers') from cache.
 
     python -m ultrafast.benchmarks.kernel_shapes [--model qwen2.5-coder-1.5b] [--ks 1,2,4,8,16] [--reps 5]
                                                  [--threads 2] [--activation-bits 16|8] [--vs-file-layout] [--json F]
@@ -9,7 +10,8 @@ layer in turn: all layers' copies are far larger than the caches) against the sa
 layer's copy only, called as many times (its bytes stay in the caches after the first call). Where the two
 agree, the kernel is bound by its own instructions, not by the memory; the weight stream's GB/s and, on the
 VNNI path, the share of the multiply peak (`kernels.multiply_peak`, measured in the same run) say how far it is
-from either limit. Best of --reps per figure. --vs-file-layout (VNNI path) also times, from memory, each linear on
+from either limit. The LM head (`output`) is one matrix far larger than the caches: from memory only. Best of --reps
+per figure. --vs-file-layout (VNNI path) also times, from memory, each linear on
 the file's bytes where the kernels read their own layout of them (`PackedLinear.weights`), its sweeps taking turns
 with the layout's in the same process: the layouts' gain, free of the minute-to-minute drift between two runs.
 """
@@ -69,16 +71,19 @@ def run(model: str, ks: list[int], reps: int = 5, threads: int = 2, activation_b
     vnni = "vnni" in info["kernels"]
     if vs_file_layout and not vnni:
         raise ValueError("--vs-file-layout compares the VNNI kernels' layouts; this path reads the file's bytes")
+    head = engine.model.output
+    if isinstance(head, PackedLinear):  # the LM head: one matrix, far larger than the caches (no cached figure)
+        mats["output"] = [head]
     peaks = [kernels.multiply_peak(threads)] if vnni else []
     rows = []
     for name, mods in mats.items():
         m = mods[0]
         for k in ks:
             memory = best_per_call(mods, k, reps, vs_file_layout)
-            cached = best_per_call([m] * len(mods), k, reps)[0]
+            cached = best_per_call([m] * len(mods), k, reps)[0] if name != "output" else None
             rows.append({"linear": name.split(".")[-1], "qtype": m.qtype, "qtype_read": m.weights(vnni_path())[1],
                          "out": m.out_features, "in": m.in_features, "act_bits": m.act_bits, "k": k,
-                         "memory_ms": memory[0] * 1e3, "cached_ms": cached * 1e3,
+                         "memory_ms": memory[0] * 1e3, "cached_ms": cached * 1e3 if cached is not None else None,
                          "memory_gb_s": m.raw.numel() / memory[0] / 1e9,
                          "file_layout_ms": memory[1] * 1e3 if vs_file_layout else None})
     # the peak again after the products, the higher kept: a shared host sometimes holds one of the threads back
@@ -98,8 +103,10 @@ def format_table(r: dict) -> str:
                    f"{'GB/s':>6} {'% of peak':>10}" + (f" {'file layout ms':>15} {'layout/file':>12}" if vs else "")]
     for x in r["rows"]:
         pct = f"{x['pct_of_peak']:.0f}%" if x["pct_of_peak"] is not None else "-"
+        cached = (f"{x['cached_ms']:>10.3f} {x['memory_ms'] / x['cached_ms']:>14.2f}" if x["cached_ms"] is not None
+                  else f"{'-':>10} {'-':>14}")
         line = (f"{x['linear']:>8} {str(x['out']) + 'x' + str(x['in']):>12} {x['k']:>3} {x['memory_ms']:>10.3f} "
-                f"{x['cached_ms']:>10.3f} {x['memory_ms'] / x['cached_ms']:>14.2f} {x['memory_gb_s']:>6.1f} {pct:>10}")
+                f"{cached} {x['memory_gb_s']:>6.1f} {pct:>10}")
         if vs:
             line += f" {x['file_layout_ms']:>15.3f} {x['memory_ms'] / x['file_layout_ms']:>12.2f}"
         lines.append(line)

@@ -74,7 +74,7 @@ bool matmuls(const Mat* m, int nm, int64_t T, int nt, int t, bool x8) {
 
 // This thread's share of preparing T rows of x (K wide) for a linear: tasks are (row, run of prep units).
 void prep(const LinearOps* ops, int qt, const float* x, int64_t T, int64_t K, uint8_t* xg, int nt, int t, bool x8) {
-  const int64_t nu = ops->prep_units(qt, K), ldx = ops->prep_bytes(qt, K);
+  const int64_t nu = ops->prep_units(qt, K), ldx = ops->prep_bytes(qt, K, x8);
   const int64_t per = 8;  // units per task
   const int64_t tpr = (nu + per - 1) / per, ntask = T * tpr;
   int64_t a, b;
@@ -102,7 +102,7 @@ bool decoder_layer(const LayerArgs& a) {
         break;
       }
     const int64_t K = i == 3 ? nq : (i == 6 ? f : d);
-    xgb[i] = src[i] == i ? T * a.ops[i]->prep_bytes(a.qt[i], K) : 0;
+    xgb[i] = src[i] == i ? T * a.ops[i]->prep_bytes(a.qt[i], K, a.x8) : 0;
   }
   // attention tasks: (segment row, kv head, run of gh heads of its group)
   const int64_t group = a.n_heads / a.n_kv_heads;

@@ -18,8 +18,8 @@ namespace ultrafast {
 struct LinearOps {
   const char* name;
   // Bytes of one prepared activation row: a multiple of 64, rows laid this far apart from a 64-byte aligned
-  // base.
-  int64_t (*prep_bytes)(int qt, int64_t K);
+  // base. x8: int8 activations (VNNI only).
+  int64_t (*prep_bytes)(int qt, int64_t K, bool x8);
   // A row's preparation is cut into this many independent units (threads may share a row).
   int64_t (*prep_units)(int qt, int64_t K);
   // Prepare units [u0, u1) of the row x[0, K) into its prepared row xg. x8: int8 activations (VNNI only).

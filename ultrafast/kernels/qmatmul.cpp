@@ -85,7 +85,7 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t
   float* yp = y.data_ptr<float>();
   // Prepare every activation row on its own (batch-invariant), into 64-byte aligned scratch.
   static thread_local Scratch scratch;
-  const int64_t xb = ops->prep_bytes((int)qtype, K), units = ops->prep_units((int)qtype, K);
+  const int64_t xb = ops->prep_bytes((int)qtype, K, x8), units = ops->prep_units((int)qtype, K);
   uint8_t* xg = scratch_bytes(scratch, (size_t)(k * xb + 64));
   at::parallel_for(0, k, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) ops->prep((int)qtype, xp + r * K, K, xg + r * xb, 0, units, x8);

@@ -435,7 +435,7 @@ struct V512 {
 
 }  // namespace
 
-int64_t qmm_prep_bytes_avx512(int qtype, int64_t K) {
+int64_t qmm_prep_bytes_avx512(int qtype, int64_t K, bool) {
   int64_t ld = 0;
   UF_FP32_DISPATCH(qtype, ld = PrepLayout<T>(K).ld)
   return 4 * ld;
@@ -479,7 +479,7 @@ bool avx512_usable() {
 
 namespace ultrafast {
 bool avx512_usable() { return false; }
-int64_t qmm_prep_bytes_avx512(int, int64_t) { return 0; }
+int64_t qmm_prep_bytes_avx512(int, int64_t, bool) { return 0; }
 int64_t qmm_prep_units_avx512(int, int64_t) { return 0; }
 void qmm_prep_avx512(int, const float*, int64_t, uint8_t*, int64_t, int64_t, bool) {}
 bool qmm_rows_avx512(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t,

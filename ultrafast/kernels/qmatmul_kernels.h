@@ -56,7 +56,7 @@ static inline bool type_info(int qtype, TypeInfo* ti) {
 // *_prep_bytes bytes, 64-byte aligned).
 
 // ---- portable path (scalar.cpp): every type, any CPU. A prepared row is x itself.
-int64_t qmm_prep_bytes_scalar(int qtype, int64_t K);
+int64_t qmm_prep_bytes_scalar(int qtype, int64_t K, bool x8);
 int64_t qmm_prep_units_scalar(int qtype, int64_t K);
 void qmm_prep_scalar(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool x8);
 bool qmm_rows_scalar(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
@@ -70,7 +70,7 @@ bool avx512_usable();
 
 // A prepared row holds x permuted to the packed weights' lane order, scaled by exact powers of two and
 // zero-padded, then the per-block sums of x (block offsets/mins). One unit per row.
-int64_t qmm_prep_bytes_avx512(int qtype, int64_t K);
+int64_t qmm_prep_bytes_avx512(int qtype, int64_t K, bool x8);
 int64_t qmm_prep_units_avx512(int qtype, int64_t K);
 void qmm_prep_avx512(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool x8);
 // y[r * ldy + n] = sum_i x[r][i] * W[n][i]  for r in [0, k), n in [n0, n1), from the prepared rows.
@@ -93,7 +93,7 @@ void attn_group_avx512(const float* q, int G, const float* kc, const float* vc, 
 // ---- AVX2 fp32 path (qmatmul_avx2.cpp): every type, the AVX-512 fp32 path's scheme in 8-lane registers,
 // for CPUs without AVX-512. The same contract as qmm_rows_avx512 (not the same bits).
 bool avx2_usable();  // AVX2 + FMA + F16C, checked at runtime
-int64_t qmm_prep_bytes_avx2(int qtype, int64_t K);
+int64_t qmm_prep_bytes_avx2(int qtype, int64_t K, bool x8);
 int64_t qmm_prep_units_avx2(int qtype, int64_t K);
 void qmm_prep_avx2(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool x8);
 bool qmm_rows_avx2(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
@@ -110,8 +110,9 @@ void attn_group_avx2(const float* q, int G, const float* kc, const float* vc, in
 // Q4_K, Q6_K, and their layouts made at load (vnni_layout).
 bool vnni_usable();                 // AVX-512 F/BW/VL/DQ + VNNI (+FMA/F16C), checked at runtime
 bool qmm_vnni_supports(int qtype);  // the quantized types above
-// Bytes of prepared activation data per row (a multiple of 64); xg must be 64-byte aligned.
-int64_t qmm_prep_bytes_vnni(int qtype, int64_t K);
+// Bytes of prepared activation data per row (a multiple of 64; x8: int8 activations, half the x bytes); xg must be
+// 64-byte aligned.
+int64_t qmm_prep_bytes_vnni(int qtype, int64_t K, bool x8);
 // Quantize and lay out one row's units [G0, G1) (of qmm_prep_units_vnni: groups of 128 values, the K-quants'
 // super-blocks of 256, the layouts' groups of 512 and then the file layout's groups of the rest); per row, so
 // batch-invariant. x8: int8 activations (prep and rows must agree).

@@ -69,11 +69,13 @@ UF_INLINE uint32_t rd32(const uint8_t* p) {
 UF_INLINE __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 UF_INLINE __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Per-row, per-group activation data (layout written by prep, read by the kernels).
+// Per-row, per-group activation data (layout written by prep, read by the kernels), NVEC: the weight vectors of a group.
 //   xh[v], xl[v]: the int16 x of byte position j of weight vector v, split as x = 256 * xh + xl (both signed
 //   bytes); s: s_b on the lanes of block b; ioff: integer offset on the block's first lane (0 elsewhere);
 //   xsf: s_b * xsum_b on the block's first lane (0 elsewhere).
-template <int NVEC>
+// With int8 x (X8) the x is xh alone and there is no xl: half the bytes, so that more activation rows' x stays in L1
+// while the weight rows stream past it.
+template <int NVEC, bool X8>
 struct XGN {
   __m512i xh[NVEC];
   __m512i xl[NVEC];
@@ -81,7 +83,13 @@ struct XGN {
   __m512i ioff;
   __m512 xsf;
 };
-using XG = XGN<2>;
+template <int NVEC>
+struct XGN<NVEC, true> {
+  __m512i xh[NVEC];
+  __m512 s;
+  __m512i ioff;
+  __m512 xsf;
+};
 
 // x = 256 * hi + lo with hi, lo signed bytes (|x| <= 32639 = 127 * 257).
 UF_INLINE int8_t x_hi(int v) { return (int8_t)((v + 128) >> 8); }
@@ -137,10 +145,10 @@ struct GroupStage {
     xh[v][byte] = X8 ? (int8_t)val : x_hi(val);
     xl[v][byte] = X8 ? 0 : x_lo(val);
   }
-  void store(XGN<NVEC>* g) const {
+  void store(XGN<NVEC, X8>* g) const {
     for (int v = 0; v < NVEC; ++v) {
       g->xh[v] = _mm512_load_si512(xh[v]);
-      g->xl[v] = _mm512_load_si512(xl[v]);
+      if constexpr (!X8) g->xl[v] = _mm512_load_si512(xl[v]);
     }
     g->s = _mm512_load_ps(s);
     g->ioff = _mm512_load_si512(io);
@@ -197,7 +205,6 @@ struct K32 {
   static constexpr int IOFF = QT == QT_Q4_0 ? -8 : QT == QT_Q5_0 ? -16 : QT == QT_Q8_0 ? -128 : 0;
   static constexpr int MINS = QT == QT_Q4_1 ? 1 : 0;
   static constexpr int TAIL = TAIL_MASKED;
-  using X = XG;
   static UF_INLINE int bm(int i) { return i; }
   // The bytes loaded (masks of the loads at p, p + 64; Q8_0's at p + 8, p + 72): the group's n * BB (n >= 4: all
   // KBYTES); nothing past them is read, and the blocks past n read as zero (d = 0).
@@ -267,7 +274,6 @@ struct KQ4K {
   // xsf (s_b * xsum_b on lane 2m, 0 on 2m + 1)
   static constexpr int IOFF = 0, MINS = -1;
   static constexpr int TAIL = TAIL_NONE;
-  using X = XGN<4>;
   static UF_INLINE int sb_of(int m) { return m < 4 ? 2 * m : 2 * (m - 4) + 1; }
   // Prepared x (see prep_row_k): vector v, 64-bit lane m, byte j holds value 8v + j of sub-block sb_of(m); s_b on
   // lanes 2m, 2m + 1; s_b * xsum_b on lane 2m (0 on 2m + 1).
@@ -336,7 +342,7 @@ struct KQ4K2 {
   static constexpr int IOFF = 0, MINS = -1;
   static constexpr int TAIL = TAIL_FILE;  // an odd last super-block: KQ4K's
   using Tail = KQ4K;
-  using X = XGN<8>;  // prepared by prep_row_lanes: lane l holds sub-block l % 8 of super-block l / 8
+  // x prepared by prep_row_lanes: lane l holds sub-block l % 8 of super-block l / 8
   struct Ctx {
     __m512 d, m;
   };
@@ -368,7 +374,7 @@ struct KB16 {
   static constexpr int IOFF = K32<QT>::IOFF, MINS = K32<QT>::MINS;
   static constexpr int TAIL = TAIL_FILE;
   using Tail = K32<QT>;
-  using X = XGN<8>;  // prepared by prep_row_lanes: lane l holds block l of the group
+  // x prepared by prep_row_lanes: lane l holds block l of the group
   struct Ctx {
     __m512 d, m;
   };
@@ -409,7 +415,6 @@ struct Q6KShape {  // what the Q6_K layouts (KQ6K, KQ6KR) share: a super-block a
   static constexpr int NVEC = 4, GV = 256, GPK = 1, KB = 256, KBYTES = 210;
   static constexpr int IOFF = -32, MINS = 0;
   static constexpr int TAIL = TAIL_NONE;
-  using X = XGN<4>;
   struct Ctx {
     __m512 d;
   };
@@ -515,7 +520,7 @@ void prep_row32(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t G1)
       st.io[4 * i] = T::IOFF * sum;
       st.xsf[4 * i] = sb * (float)sum;
     }
-    st.store(reinterpret_cast<XG*>(out + G * sizeof(XG)));
+    st.store(reinterpret_cast<XGN<2, X8>*>(out + G * sizeof(XGN<2, X8>)));
   }
 }
 
@@ -530,7 +535,7 @@ void prep_row_k(const float* x, uint8_t* out, int64_t S0, int64_t S1) {
     for (int b = 0; b < 8; ++b) sb[b] = quant32<X8>(x + 256 * S + 32 * b, q + 32 * b, &sum[b]);
     GroupStage<4, X8> st;
     T::stage(q, sb, sum, st);
-    st.store(reinterpret_cast<XGN<4>*>(out + S * sizeof(XGN<4>)));
+    st.store(reinterpret_cast<XGN<4, X8>*>(out + S * sizeof(XGN<4, X8>)));
   }
 }
 
@@ -543,7 +548,7 @@ void prep_row_lanes(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t
   const int64_t nfull = K / 512;
   for (int64_t G = G0; G < G1; ++G) {
     if (G >= nfull) {  // past the whole groups: T::Tail's prep of the rest
-      uint8_t* tail = out + nfull * sizeof(XGN<8>);
+      uint8_t* tail = out + nfull * sizeof(XGN<8, X8>);
       if constexpr (T::Tail::KB == 256)
         prep_row_k<typename T::Tail, X8>(x + 512 * nfull, tail, G - nfull, G - nfull + 1);
       else
@@ -562,7 +567,7 @@ void prep_row_lanes(const float* x, int64_t K, uint8_t* out, int64_t G0, int64_t
       st.io[l] = T::IOFF * sum[l];
       st.xsf[l] = sb[l] * (float)sum[l];
     }
-    st.store(reinterpret_cast<XGN<8>*>(out + G * sizeof(XGN<8>)));
+    st.store(reinterpret_cast<XGN<8, X8>*>(out + G * sizeof(XGN<8, X8>)));
   }
 }
 
@@ -630,7 +635,7 @@ UF_INLINE void dot_step(const __m512i (&W)[NW][NV], int v, __m512i xv, __m512i* 
 // n: the blocks of a TAIL_MASKED group (a row's last, if partial; 16: whole); unread by the other types.
 template <class T, int NW, int R, bool X8>
 UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t ldx, __m512* acc, int n = 16) {
-  using X = typename T::X;
+  using X = XGN<T::NVEC, X8>;
   typename T::Ctx ctx[NW];
 #pragma GCC unroll 4
   for (int w = 0; w < NW; ++w) ctx[w] = T::context(p + w * rb, n);
@@ -700,7 +705,7 @@ template <class T, int NW, int R, bool X8>
 __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t rb, int64_t K, const uint8_t* __restrict xg,
                                    int64_t ldx, float* y, int64_t ldy, bool far) {
   const int64_t nfull = K / T::KB;
-  constexpr int64_t XB = (int64_t)sizeof(typename T::X) * T::GPK;  // x bytes per kernel block
+  constexpr int64_t XB = (int64_t)sizeof(XGN<T::NVEC, X8>) * T::GPK;  // x bytes per kernel block
   __m512 acc[NW * R];
 #pragma GCC unroll 32
   for (int i = 0; i < NW * R; ++i) acc[i] = _mm512_setzero_ps();
@@ -719,7 +724,7 @@ __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t rb, int
     const int64_t rest = K - nfull * T::KB;
     for (int64_t g = 0; g * U::KB < rest; ++g) {
       prefetch_ahead<NW, U::KBYTES>(wt + g * U::KBYTES, rb, far);
-      kblock<U, NW, R, X8>(wt + g * U::KBYTES, rb, xt + g * (int64_t)sizeof(typename U::X), ldx, acc,
+      kblock<U, NW, R, X8>(wt + g * U::KBYTES, rb, xt + g * (int64_t)sizeof(XGN<U::NVEC, X8>), ldx, acc,
                            (int)((rest - g * U::KB) / 32));
     }
   }
@@ -829,12 +834,12 @@ int64_t row_units_x(int64_t K) {
   x_units<T>(K, &own, &tail);
   return own + tail;
 }
-template <class T>
+template <class T, bool X8>
 int64_t row_bytes_x(int64_t K) {
   int64_t own, tail;
   x_units<T>(K, &own, &tail);
-  int64_t bytes = own * T::GPK * (int64_t)sizeof(typename T::X);
-  if constexpr (T::TAIL == TAIL_FILE) bytes += tail * (int64_t)sizeof(typename T::Tail::X);
+  int64_t bytes = own * T::GPK * (int64_t)sizeof(XGN<T::NVEC, X8>);
+  if constexpr (T::TAIL == TAIL_FILE) bytes += tail * (int64_t)sizeof(XGN<T::Tail::NVEC, X8>);
   return bytes;
 }
 
@@ -872,9 +877,13 @@ bool qmm_vnni_supports(int qtype) {
   }
 }
 
-int64_t qmm_prep_bytes_vnni(int qtype, int64_t K) {
+int64_t qmm_prep_bytes_vnni(int qtype, int64_t K, bool x8) {
   int64_t n = 0;
-  UF_VNNI_DISPATCH(qtype, n = row_bytes_x<T>(K))
+  if (x8) {
+    UF_VNNI_DISPATCH(qtype, n = (row_bytes_x<T, true>(K)))
+  } else {
+    UF_VNNI_DISPATCH(qtype, n = (row_bytes_x<T, false>(K)))
+  }
   return n;
 }
 
@@ -912,7 +921,7 @@ void qmm_prep_vnni(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t G0
 
 bool qmm_rows_vnni(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
                    int64_t ldy, int64_t n0, int64_t n1, bool x8) {
-  const int64_t ldx = qmm_prep_bytes_vnni(qtype, K);
+  const int64_t ldx = qmm_prep_bytes_vnni(qtype, K, x8);
   bool ok = false;
   if (x8) {
     UF_VNNI_DISPATCH(qtype, ok = (rows<T, true>(xg, ldx, k, K, w, rb, y, ldy, n0, n1)))
@@ -981,7 +990,7 @@ int64_t vnni_product_chains(int64_t n, bool x8) { return x8 ? product_chains<tru
 namespace ultrafast {
 bool vnni_usable() { return false; }
 bool qmm_vnni_supports(int) { return false; }
-int64_t qmm_prep_bytes_vnni(int, int64_t) { return 0; }
+int64_t qmm_prep_bytes_vnni(int, int64_t, bool) { return 0; }
 int64_t qmm_prep_units_vnni(int, int64_t) { return 0; }
 void qmm_prep_vnni(int, const float*, int64_t, uint8_t*, int64_t, int64_t, bool) {}
 bool qmm_rows_vnni(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t,

@@ -209,7 +209,7 @@ void attn_one_scalar(const float* q, const float* kc, const float* vc, int64_t L
 }  // namespace
 
 // A prepared row is x itself, padded to 64 bytes.
-int64_t qmm_prep_bytes_scalar(int, int64_t K) { return (4 * K + 63) / 64 * 64; }
+int64_t qmm_prep_bytes_scalar(int, int64_t K, bool) { return (4 * K + 63) / 64 * 64; }
 int64_t qmm_prep_units_scalar(int, int64_t) { return 1; }
 void qmm_prep_scalar(int, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool) {
   if (u0 < u1) std::memcpy(xg, x, sizeof(float) * (size_t)K);
@@ -217,7 +217,7 @@ void qmm_prep_scalar(int, const float* x, int64_t K, uint8_t* xg, int64_t u0, in
 
 bool qmm_rows_scalar(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
                      int64_t ldy, int64_t n0, int64_t n1, bool) {
-  qmm_rows_scalar_x(qtype, reinterpret_cast<const float*>(xg), qmm_prep_bytes_scalar(qtype, K) / 4, k, K, w, rb, y,
+  qmm_rows_scalar_x(qtype, reinterpret_cast<const float*>(xg), qmm_prep_bytes_scalar(qtype, K, false) / 4, k, K, w, rb, y,
                     ldy, n0, n1);
   return true;
 }
