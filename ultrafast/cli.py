@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from .registry import DEFAULT_MODEL, MODELS
 
@@ -86,6 +87,17 @@ def _params(args):
         stop=list(args.stop), grammar=_grammar(args))
 
 
+def _resident_mb() -> str:
+    """The process's resident memory now (Linux: VmRSS), as "N MB", or "unknown"."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return f"{int(line.split()[1]) / 1e3:.0f} MB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return "unknown"
+
+
 def _load_engine(args):
     from .engine import Engine
     from .pull import resolve_model
@@ -104,8 +116,9 @@ def _load_engine(args):
                                self_spec_layers=args.self_spec_layers, draft_head=args.draft_head, tp=tp)
     info = engine.describe()
     print(f"loaded {path.name} in {time.perf_counter() - t0:.1f}s: {info['layers']} layers, "
-          f"weights {info['weight_bytes_held'] / 1e6:.0f} MB held ({info['weight_bytes_layout'] / 1e6:.0f} MB of them the "
-          f"kernels' layouts) for {info['file_tensor_bytes'] / 1e6:.0f} MB in the file, "
+          f"weights {info['weight_bytes_held'] / 1e6:.0f} MB in memory ({info['weight_bytes_layout'] / 1e6:.0f} MB of them "
+          f"the kernels' layouts, {info['weight_bytes_in_file'] / 1e6:.0f} MB more read from the file's mapping) for "
+          f"{info['file_tensor_bytes'] / 1e6:.0f} MB in the file (process resident {_resident_mb()}), "
           f"{info['weight_bytes_per_token'] / 1e6:.0f} MB read per token; KV cache "
           f"{info['max_context']} tokens = {info['kv_cache_bytes'] / 1e6:.0f} MB; {info['device']}",
           file=sys.stderr)

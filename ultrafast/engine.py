@@ -159,8 +159,10 @@ class Engine:
             "layers": c.n_layers,
             "dim": c.dim,
             "file_tensor_bytes": self.loaded.file_tensor_bytes,
-            "weight_bytes_held": self.model.weight_bytes_held(),
-            "weight_bytes_layout": layout_copy_bytes(self.model),  # of those held: the kernels' layouts' copies
+            # in the process's memory (the rest the model reads stays in the file's mapping: page cache)
+            "weight_bytes_held": self.model.weight_bytes_held(self.loaded.in_file),
+            "weight_bytes_in_file": self.model.weight_bytes_held() - self.model.weight_bytes_held(self.loaded.in_file),
+            "weight_bytes_layout": layout_copy_bytes(self.model),  # of those held: the kernels' own layouts
             "weight_bytes_per_token": self.weight_bytes_per_token,
             "max_context": self.max_context,
             "kv_cache_bytes": self.cache.nbytes,

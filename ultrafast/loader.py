@@ -2,13 +2,15 @@
 
 Weights come back as `QTensor`s: the raw bytes of each tensor in its file type, under the model's own
 parameter names (see model.py). Nothing is dequantized here; model building decides what to keep packed.
-GGUF tensors are copied out of the file mapping into one region on transparent huge pages (hugepages.py).
+GGUF tensors are views of the file's mapping (the page cache: read on demand, never a second copy); what the kernels
+stream every step is placed on huge pages by the model's transform (packed.py), and the rest stays in the file.
 Every failure is a `ModelLoadError` naming the file and the problem.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +21,6 @@ from gguf import GGMLQuantizationType as T
 from . import gguf_file
 from .config import ARCHITECTURES, ModelConfig
 from .dequant import SUPPORTED, dequantize, row_bytes
-from .hugepages import copy_to_hugepages
 from .tokenizer import Tokenizer, TokenizerError
 
 
@@ -53,10 +54,33 @@ class LoadedModel:
     config: ModelConfig
     tensors: dict[str, QTensor]
     tokenizer: Tokenizer
+    mapping: np.memmap | None = None  # the GGUF file's mapping, which the tensors view (None: a safetensors folder)
 
     @property
     def file_tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    def in_file(self, t: torch.Tensor) -> bool:
+        """Whether `t` is a view of the file's mapping (page cache the kernel may drop and read again), not memory
+        the process holds."""
+        if self.mapping is None or t.numel() == 0:
+            return False
+        lo = self.mapping.ctypes.data
+        return lo <= t.data_ptr() < lo + self.mapping.nbytes
+
+    def release_file_pages(self) -> None:
+        """Unmap the file's pages from this process (MADV_DONTNEED on its private mapping: nothing is written there, so
+        a later read maps them again from the page cache or the file). The model builders call it once they have
+        what the kernels stream in memory of their own; the rare readers of the file's bytes (a draft head's rows,
+        bf16 features, tensor-parallel slices) still read them."""
+        mm = getattr(self.mapping, "_mmap", None)
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if mm is None or advice is None or not hasattr(mm, "madvise"):
+            return
+        try:
+            mm.madvise(advice)
+        except OSError:
+            pass
 
 
 # GGUF tensor names -> the model's parameter names ({i} is the layer)
@@ -233,11 +257,7 @@ def load_gguf(path: Path) -> LoadedModel:
                     if name in tensors:
                         idx = _unpermute_rows(tensors[name].shape[0], heads)
                         tensors[name] = tensors[name].permute_rows(idx)
-    # out of the file mapping into memory on huge pages (hugepages.py): decode streams all of it every token
-    names = list(tensors)
-    copies = copy_to_hugepages([tensors[n].raw for n in names])
-    tensors = {n: QTensor(c, tensors[n].qtype, tensors[n].shape) for n, c in zip(names, copies)}
-    return LoadedModel(Path(path), config, tensors, tokenizer)
+    return LoadedModel(Path(path), config, tensors, tokenizer, data)
 
 
 # ---------------------------------------------------------------- safetensors

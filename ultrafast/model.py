@@ -226,12 +226,15 @@ class Transformer(nn.Module):
         return sum(m.in_features * m.out_features for m in self.modules()
                    if hasattr(m, "in_features") and hasattr(m, "out_features") and (head or m is not self.output))
 
-    def weight_bytes_held(self) -> int:
+    def weight_bytes_held(self, in_file=None) -> int:
+        """Bytes of the model's weights, each storage once; with `in_file` (a predicate: `LoadedModel.in_file`) only
+        those in the process's own memory, not the views of the model file's mapping (page cache, read on demand)."""
         seen, total = set(), 0
         for t in list(self.parameters()) + list(self.buffers()):
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
+                if in_file is None or not in_file(t):
+                    total += t.numel() * t.element_size()
         return total
 
 

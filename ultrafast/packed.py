@@ -71,8 +71,8 @@ class PackedLinear(nn.Module):
 
 
 def layout_copy_bytes(model: nn.Module) -> int:
-    """Bytes of the kernels' own layouts held beside the file's bytes (`PackedLinear.weights`): part of what the
-    model holds, a second copy of the linears whose type has such a layout."""
+    """Bytes of the kernels' own layouts (`PackedLinear.weights`), made at load from the file's bytes: part of what the
+    model holds in memory; the file's bytes of those linears stay in the file's mapping."""
     seen, total = set(), 0
     for m in model.modules():
         if isinstance(m, PackedLinear) and m.raw_vnni is not None and m.raw_vnni.data_ptr() not in seen:
@@ -147,14 +147,19 @@ class FusedBlock(nn.Module):
         return h + self.tp.all_reduce(run(h, 2))
 
 
-def _make_layouts_on_hugepages(lins: list[PackedLinear]) -> None:
-    """The VNNI kernels' layouts of these linears made now, at load, held beside the file's bytes in one mapping on
-    huge pages like those (`hugepages.py`: the decode step streams them; a layout has the file's bytes per row)."""
-    need = [m for m in lins if kernels.vnni_layout(m.qtype) is not None]
-    homes = empty_on_hugepages([m.raw for m in need])  # room for each layout (the file's bytes per row)
-    for m, home in zip(need, homes):
-        home.copy_(kernels.repack_vnni(m.raw, m.qtype, m.in_features))
-        m.raw_vnni, m._vnni_of = home, m.raw
+def _place_on_hugepages(lins: list[PackedLinear], vnni: bool) -> None:
+    """What the kernels stream every step, in one mapping on huge pages (`hugepages.py`: a decode step reads all of it),
+    made now, at load: on the VNNI kernels each linear's own layout (`PackedLinear.weights`), made from the file's bytes,
+    which stay where they are (`raw`: the file's mapping, for the rare readers); on the other paths a copy of the file's
+    bytes, which becomes `raw`. Either way one copy of each linear in memory (a layout has the file's bytes per row)."""
+    homes = empty_on_hugepages([m.raw for m in lins])
+    for m, home in zip(lins, homes):
+        if vnni and kernels.vnni_layout(m.qtype) is not None:
+            home.copy_(kernels.repack_vnni(m.raw, m.qtype, m.in_features))
+            m.raw_vnni, m._vnni_of = home, m.raw
+        else:
+            home.copy_(m.raw)
+            m.raw = home
 
 
 def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16) -> nn.Module:
@@ -177,8 +182,8 @@ def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16
             swap_module(model, name, KernelRMSNorm(tensors[f"{name}.weight"].dequantize(), mod.eps))
         elif isinstance(mod, AttentionCore):
             swap_module(model, name, KernelAttentionCore())
-    if vnni:
-        _make_layouts_on_hugepages(lins)
+    _place_on_hugepages(lins, vnni)
+    loaded.release_file_pages()  # read once for the copies above; the file's bytes are not streamed from here on
     if fuse:
         for i, block in enumerate(model.layers):
             if FusedBlock.fusable(block):

@@ -14,9 +14,10 @@ def test_bench_report(smollm_path):
     assert set(ours["r_k"]) == {1, 2, 3, 4} and ours["r_k"][1] == 1.0
     assert ours["achieved_gb_per_s"] == pytest.approx(ours["decode_tokens_per_s"] * r["weight_bytes_per_token"] / 1e9)
     assert r["llama_cpp"] is None and r["decode_ratio_vs_llama_cpp"] is None
-    # the file's bytes and, on the VNNI kernels, the copies in their own layouts (the same bytes again, at most)
-    assert r["weight_bytes_held"] - r["weight_bytes_layout"] <= 1.2 * r["file_tensor_bytes"]
-    assert r["weight_bytes_layout"] <= r["file_tensor_bytes"]
+    # one copy of what the kernels stream (on the VNNI kernels their own layouts), the rest read from the file
+    assert r["weight_bytes_held"] <= 1.15 * r["file_tensor_bytes"]  # (and a llama file's permuted Q, K rows)
+    assert r["weight_bytes_layout"] <= r["weight_bytes_held"]
+    assert r["weight_bytes_held"] + r["weight_bytes_in_file"] >= r["file_tensor_bytes"]
     assert (r["weight_bytes_layout"] > 0) == ("vnni" in r["kernels"])  # SmolLM2's Q4_1 linears: repacked
     table = format_table(r)
     assert "decode tok/s" in table and "r(k)" in table

@@ -222,7 +222,7 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
     return {
         "model": str(path.name), "prompt_tokens": prompt_len, "gen_tokens": gen, "threads": threads,
         "weight_bytes_per_token": bpt, "weight_bytes_held": info["weight_bytes_held"],
-        "weight_bytes_layout": info["weight_bytes_layout"],
+        "weight_bytes_layout": info["weight_bytes_layout"], "weight_bytes_in_file": info["weight_bytes_in_file"],
         "file_tensor_bytes": info["file_tensor_bytes"], "kernels": info["kernels"],
         "read_gb_per_s_1_thread": bw1, f"read_gb_per_s_{threads}_threads": bwn,
         "roofline_tokens_per_s": roofline, "multiply_peak": multiply,
@@ -237,8 +237,9 @@ def format_table(r: dict) -> str:
     lines = [
         f"model {r['model']}: {r['prompt_tokens']}-token prompt, {r['gen_tokens']} generated, {t} threads, "
         f"kernels: {r['kernels']}",
-        f"weights read per token {r['weight_bytes_per_token'] / 1e6:.1f} MB (held {r['weight_bytes_held'] / 1e6:.1f} MB, "
-        f"{r.get('weight_bytes_layout', 0) / 1e6:.1f} MB of them the kernels' layouts' copies, "
+        f"weights read per token {r['weight_bytes_per_token'] / 1e6:.1f} MB (in memory {r['weight_bytes_held'] / 1e6:.1f} MB, "
+        f"{r.get('weight_bytes_layout', 0) / 1e6:.1f} MB of them the kernels' layouts, "
+        f"{r.get('weight_bytes_in_file', 0) / 1e6:.1f} MB more read from the file's mapping, "
         f"for {r['file_tensor_bytes'] / 1e6:.1f} MB in the file); read bandwidth {r['read_gb_per_s_1_thread']:.1f} GB/s "
         f"(1 thread), {r[f'read_gb_per_s_{t}_threads']:.1f} GB/s ({t}); roofline {r['roofline_tokens_per_s']:.0f} tok/s",
         "",

@@ -1,10 +1,10 @@
-"""Decode step time with the weights on transparent huge pages (as loaded) against the same bytes on 4 KB pages.
+"""Decode step time with the weights on transparent huge pages (as built at load) against the same bytes on 4 KB pages.
 
     python -m ultrafast.benchmarks.hugepages [--model qwen2.5-coder-1.5b] [--steps 50] [--rounds 3]
 
-One engine; its packed weights are rebound, round by round, to the loader's copies (huge pages, see
-ultrafast/hugepages.py) or to plain copies of the same bytes (ordinary allocations: 4 KB pages when THP is
-"madvise"). Each round times `--steps` single-token forwards at the same position after a 128-token prompt
+One engine; the bytes its kernels stream (the linears' own layouts on the VNNI kernels, else the file's bytes) are
+rebound, round by round, to those made at load (huge pages, see ultrafast/hugepages.py) or to plain copies of the same
+bytes (ordinary allocations: 4 KB pages when THP is "madvise"). Each round times `--steps` single-token forwards at the same position after a 128-token prompt
 and keeps the median; the two layouts alternate so that the machine's drift hits both.
 """
 
@@ -17,7 +17,7 @@ import time
 import torch
 
 from ..hugepages import huge_bytes
-from ..packed import PackedLinear
+from ..packed import PackedLinear, vnni_path
 
 
 def step_ms(engine, cache, pos: int, steps: int) -> float:
@@ -45,8 +45,15 @@ def main(argv=None) -> int:
     mods = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
     if not mods:
         ap.error(f"{args.model}: no packed weights (the CPU kernels did not build?)")
-    huge = [m.raw for m in mods]
+    vnni = vnni_path()
+    huge = [m.weights(vnni)[0] for m in mods]  # what the kernels stream: the layouts (VNNI) or the file's bytes
     plain = [r.clone() for r in huge]  # ordinary allocations
+
+    def bind(m, r):  # the kernels read r from now on
+        if m.raw_vnni is not None:
+            m.raw_vnni = r  # (`_vnni_of` stays `raw`: the layout is not made again)
+        else:
+            m.raw = r
     cache = engine.new_cache()
     prompt = list(range(100, 228))
     engine.forward(prompt, 0, cache=cache)
@@ -54,7 +61,7 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for name, raws in (("huge pages", huge), ("4 KB pages", plain)):
             for m, r in zip(mods, raws):
-                m.raw = r
+                bind(m, r)
             step_ms(engine, cache, len(prompt), 3)  # warm
             res[name].append(step_ms(engine, cache, len(prompt), args.steps))
     hb = huge_bytes()
