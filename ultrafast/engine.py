@@ -153,6 +153,7 @@ class Engine:
 
     def describe(self) -> dict:
         c = self.config
+        held = self.model.weight_bytes_held(self.loaded.in_file)
         return {
             "model": str(self.loaded.path),
             "arch": c.arch,
@@ -160,8 +161,8 @@ class Engine:
             "dim": c.dim,
             "file_tensor_bytes": self.loaded.file_tensor_bytes,
             # in the process's memory (the rest the model reads stays in the file's mapping: page cache)
-            "weight_bytes_held": self.model.weight_bytes_held(self.loaded.in_file),
-            "weight_bytes_in_file": self.model.weight_bytes_held() - self.model.weight_bytes_held(self.loaded.in_file),
+            "weight_bytes_held": held,
+            "weight_bytes_in_file": self.model.weight_bytes_held() - held,
             "weight_bytes_layout": layout_copy_bytes(self.model),  # of those held: the kernels' own layouts
             "weight_bytes_per_token": self.weight_bytes_per_token,
             "max_context": self.max_context,
