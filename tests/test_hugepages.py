@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ultrafast.hugepages import HUGE_PAGE, copy_to_hugepages, huge_bytes
+from ultrafast.hugepages import HUGE_PAGE, empty_on_hugepages, huge_bytes
 from ultrafast.loader import load
 
 
@@ -16,6 +16,41 @@ def _thp_offered() -> bool:
     except OSError:
         return False
     return "[always]" in mode or "[madvise]" in mode
+
+
+def copy_to_hugepages(tensors):
+    out = empty_on_hugepages(tensors)
+    for dst, t in zip(out, tensors):
+        dst.copy_(t)
+    return out
+
+
+def _rss_file_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+def test_a_tensors_file_pages_are_released_alone(smollm_path):
+    """`release_file_pages(t)` unmaps the pages under one tensor (the loader does it a linear at a time, so the file's
+    pages and the copies are not all mapped at once); the tensor still reads the same bytes afterwards."""
+    loaded = load(smollm_path)
+    in_file = sorted((q.raw for q in loaded.tensors.values() if loaded.in_file(q.raw)), key=lambda r: -r.nbytes)
+    t, other = in_file[0], in_file[1]  # the largest two (the token embedding, an MLP matrix)
+    assert other.nbytes > 200_000
+    before = t.clone()
+    int(t.sum()), int(other.sum())  # map both
+    mapped = _rss_file_bytes()
+    if mapped < 0:
+        pytest.skip("no /proc/self/status RssFile here")
+    loaded.release_file_pages(t)
+    assert mapped - _rss_file_bytes() >= 0.9 * t.nbytes
+    still = _rss_file_bytes()
+    int(other.sum())  # the other tensor's pages were left mapped: reading it maps nothing new
+    assert _rss_file_bytes() - still < 0.1 * other.nbytes
+    assert torch.equal(t, before)  # read again from the page cache
+    loaded.release_file_pages(torch.zeros(4))  # not in the file: nothing happens
 
 
 def test_copies_are_equal_aligned_and_outlive_their_sources():

@@ -88,14 +88,14 @@ def _params(args):
 
 
 def _resident_mb() -> str:
-    """The process's resident memory now (Linux: VmRSS), as "N MB", or "unknown"."""
+    """The process's resident memory now and its peak so far (Linux: VmRSS, VmHWM), as "N MB, peak M MB", or
+    "unknown"."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return f"{int(line.split()[1]) / 1e3:.0f} MB"
-    except (OSError, ValueError, IndexError):
-        pass
-    return "unknown"
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        now, peak = (int(status[k].split()[0]) / 1e3 for k in ("VmRSS", "VmHWM"))
+        return f"{now:.0f} MB, peak {peak:.0f} MB"
+    except (OSError, ValueError, IndexError, KeyError):
+        return "unknown"
 
 
 def _load_engine(args):

@@ -4,8 +4,8 @@ Decode reads every weight once per token, in long sequential streams. On 4 KB pa
 4 KB (~240,000 page walks per token on the 1.5B model) and the hardware prefetchers stop at every page
 boundary. Linux backs an anonymous mapping advised with MADV_HUGEPAGE by 2 MB pages when transparent huge
 pages are "always" or "madvise" (/sys/kernel/mm/transparent_hugepage/enabled); a file mapping is not (the
-page cache stays on 4 KB pages). So the loader copies the file's tensors into one such mapping, aligned to
-2 MB, and drops its views of the file. On Qwen2.5-Coder-1.5B Q4_K_M, 2 threads, `python -m
+page cache stays on 4 KB pages). So the loader places what the kernels stream in one such mapping, aligned
+to 2 MB (`empty_on_hugepages`, filled by `packed.py`), and drops the file's pages from the process. On Qwen2.5-Coder-1.5B Q4_K_M, 2 threads, `python -m
 ultrafast.benchmarks.hugepages` measures the same bytes on 4 KB pages 1.04-1.07x slower per decode step (and
 the file mapping this replaced was slower still: 36 against 30 ms, timed with alternating runs).
 
@@ -35,18 +35,10 @@ def _advise_huge(mm: mmap.mmap, start: int, length: int) -> None:
         pass
 
 
-def copy_to_hugepages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `tensors` (CPU, contiguous results, same dtypes and shapes) placed one after another in one
-    anonymous mapping advised for huge pages. The mapping lives as long as any of the copies does."""
-    out = empty_on_hugepages(tensors)
-    for dst, t in zip(out, tensors):
-        dst.copy_(t)
-    return out
-
-
 def empty_on_hugepages(like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Tensors of the dtypes and shapes of `like`, contents unset (zero pages until written), placed as
-    `copy_to_hugepages` places its copies."""
+    """Tensors of the dtypes and shapes of `like`, contents unset (zero pages until written), placed one after another
+    in one anonymous mapping advised for huge pages, each on a cache line (the first on a 2 MB boundary). The mapping
+    lives as long as any of them does."""
     sizes = [t.numel() * t.element_size() for t in like]
     total = sum((n + ALIGN - 1) // ALIGN * ALIGN for n in sizes)
     if total == 0:

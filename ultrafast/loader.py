@@ -68,18 +68,28 @@ class LoadedModel:
         lo = self.mapping.ctypes.data
         return lo <= t.data_ptr() < lo + self.mapping.nbytes
 
-    def release_file_pages(self) -> None:
+    def release_file_pages(self, t: torch.Tensor | None = None) -> None:
         """Unmap the file's pages from this process (MADV_DONTNEED on its private mapping: nothing is written there, so
-        a later read maps them again from the page cache or the file). The model builders call it once they have
-        what the kernels stream in memory of their own; the rare readers of the file's bytes (a draft head's rows,
-        bf16 features, tensor-parallel slices) still read them."""
+        a later read maps them again from the page cache or the file): all of them, or (t) those under tensor t, a
+        view of the mapping (the pages it touches, whole). The model builders call it as they place what the kernels
+        stream in memory of their own, a linear at a time, so the file's pages and the copies are not all mapped at
+        once; the rare readers of the file's bytes (a draft head's rows, bf16 features, tensor-parallel slices)
+        still read them."""
         mm = getattr(self.mapping, "_mmap", None)
         advice = getattr(mmap, "MADV_DONTNEED", None)
         if mm is None or advice is None or not hasattr(mm, "madvise"):
             return
         try:
-            mm.madvise(advice)
-        except OSError:
+            if t is None:
+                mm.madvise(advice)
+            elif self.in_file(t):
+                # the mmap object's start: numpy maps from the offset rounded down to the allocation granularity
+                base = self.mapping.ctypes.data - self.mapping.offset % mmap.ALLOCATIONGRANULARITY
+                lo = t.data_ptr() - base
+                hi = lo + t.numel() * t.element_size()
+                lo -= lo % mmap.PAGESIZE
+                mm.madvise(advice, lo, min(hi, len(mm)) - lo)
+        except (OSError, ValueError):
             pass
 
 

@@ -147,19 +147,24 @@ class FusedBlock(nn.Module):
         return h + self.tp.all_reduce(run(h, 2))
 
 
-def _place_on_hugepages(lins: list[PackedLinear], vnni: bool) -> None:
+def _place_on_hugepages(lins: list[PackedLinear], vnni: bool, release=None) -> None:
     """What the kernels stream every step, in one mapping on huge pages (`hugepages.py`: a decode step reads all of it),
     made now, at load: on the VNNI kernels each linear's own layout (`PackedLinear.weights`), made from the file's bytes,
     which stay where they are (`raw`: the file's mapping, for the rare readers); on the other paths a copy of the file's
-    bytes, which becomes `raw`. Either way one copy of each linear in memory (a layout has the file's bytes per row)."""
+    bytes, which becomes `raw`. Either way one copy of each linear in memory (a layout has the file's bytes per row).
+    release(t): called with each linear's file bytes once they are placed (`LoadedModel.release_file_pages`), so that
+    the file's pages leave the process a linear at a time rather than all after the last."""
     homes = empty_on_hugepages([m.raw for m in lins])
     for m, home in zip(lins, homes):
         if vnni and kernels.vnni_layout(m.qtype) is not None:
-            home.copy_(kernels.repack_vnni(m.raw, m.qtype, m.in_features))
+            kernels.repack_vnni(m.raw, m.qtype, m.in_features, out=home)
             m.raw_vnni, m._vnni_of = home, m.raw
+            placed = m.raw
         else:
             home.copy_(m.raw)
-            m.raw = home
+            placed, m.raw = m.raw, home
+        if release is not None:
+            release(placed)
 
 
 def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16) -> nn.Module:
@@ -182,8 +187,8 @@ def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16
             swap_module(model, name, KernelRMSNorm(tensors[f"{name}.weight"].dequantize(), mod.eps))
         elif isinstance(mod, AttentionCore):
             swap_module(model, name, KernelAttentionCore())
-    _place_on_hugepages(lins, vnni)
-    loaded.release_file_pages()  # read once for the copies above; the file's bytes are not streamed from here on
+    _place_on_hugepages(lins, vnni, loaded.release_file_pages)
+    loaded.release_file_pages()  # the rest (read once for the copies above); not streamed from here on
     if fuse:
         for i, block in enumerate(model.layers):
             if FusedBlock.fusable(block):

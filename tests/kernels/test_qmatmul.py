@@ -541,6 +541,22 @@ REPACK_KS = {uk.Q4_K: [256, 512, 768, 1536, 2304], uk.Q4_0: [32, 512, 576, 1536]
              uk.Q5_0: [32, 544, 896, 4864], uk.Q8_0: [96, 512, 576, 1024], uk.Q6_K: [256, 512, 1536, 8960]}
 
 
+def test_repack_into_out():
+    """`out` takes the layout in place of a new tensor (what the loader does, straight into the huge-page region):
+    the same bytes; a wrong shape, dtype or an out overlapping w is a ValueError."""
+    raw = torch.from_numpy(random_weight(uk.Q4_K, 16, 1024, seed=3))
+    want = uk.repack_vnni(raw, uk.Q4_K, 1024)
+    out = torch.full_like(raw, 7)
+    uk.repack_vnni(raw, uk.Q4_K, 1024, out=out)
+    assert torch.equal(out, want)
+    for bad in (torch.empty(15, raw.shape[1], dtype=torch.uint8), torch.empty(raw.shape, dtype=torch.int8), raw,
+                torch.empty(raw.shape[1], raw.shape[0], dtype=torch.uint8).T):
+        with pytest.raises(ValueError):
+            uk.repack_vnni(raw, uk.Q4_K, 1024, out=bad)
+    with pytest.raises(ValueError):
+        uk.repack_vnni(raw, uk.Q4_K, 1024, out="not a tensor")
+
+
 @pytest.mark.parametrize("act_bits", [16, 8])
 @pytest.mark.parametrize("qtype", sorted(REPACK_KS))
 def test_repacked_same_values(vnni, qtype, act_bits):

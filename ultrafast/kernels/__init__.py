@@ -325,15 +325,18 @@ def vnni_layout(qtype: int) -> int | None:
     return None if layout < 0 else layout
 
 
-def repack_vnni(w: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+def repack_vnni(w: torch.Tensor, qtype: int, in_features: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of `qtype` (uint8 [rows, row_bytes]) laid out for the VNNI kernels, type id `vnni_layout(qtype)`: the same
     values and bytes per row, so that one fp32 step covers 512 values and the weights need no permute (see
     qmatmul_vnni.cpp: KQ4K2 holds Q4_K's pairs of super-blocks, KB16 sixteen blocks of 32 of the other types, one
     a lane). A new tensor; the rows' outputs differ from the file's layout only in the order of the fp32 adds.
+    out: written in place of a new tensor (contiguous uint8 of w's shape, apart from w), and returned.
     ValueError for a type without such a layout or bytes that do not hold the rows."""
     if not isinstance(w, torch.Tensor):
         raise _not_tensor("w", w)
-    return _ext_or_load().repack_vnni(w, int(qtype), int(in_features))
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise _not_tensor("out", out)
+    return _ext_or_load().repack_vnni(w, int(qtype), int(in_features), out)
 
 
 def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:

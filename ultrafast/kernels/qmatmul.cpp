@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -369,9 +370,11 @@ double avx2_fma_peak(int64_t threads, int64_t iters, int64_t reps) {
   return best_rate(threads, iters, reps, [](int64_t n) { return avx2_fma_chains(n); });
 }
 
-// Rows of qtype laid out for the VNNI kernels (qmm_repack_vnni, type vnni_layout(qtype)): a new tensor of the same
+// Rows of qtype laid out for the VNNI kernels (qmm_repack_vnni, type vnni_layout(qtype)): into `out` (uint8, w's shape,
+// contiguous, not overlapping w) when given, else a new tensor of the same shape; returns it.
 // shape.
-torch::Tensor repack_vnni(const torch::Tensor& w, int64_t qtype, int64_t in_features) {
+torch::Tensor repack_vnni(const torch::Tensor& w, int64_t qtype, int64_t in_features,
+                          const std::optional<torch::Tensor>& out_opt) {
   TypeInfo ti;
   TORCH_CHECK_VALUE(vnni_layout((int)qtype) > 0 && type_info((int)qtype, &ti), "repack_vnni: type ", qtype,
                     " has no layout of the VNNI kernels (the quantized types have)");
@@ -381,7 +384,17 @@ torch::Tensor repack_vnni(const torch::Tensor& w, int64_t qtype, int64_t in_feat
                     "repack_vnni: w has ", w.size(1), " bytes per row; ", in_features, " ", ti.name, " values take ",
                     in_features / ti.block * ti.bytes, " (in_features a multiple of ", ti.block, ")");
   const torch::Tensor src = w.contiguous();
-  auto out = torch::empty_like(src);
+  torch::Tensor out;
+  if (out_opt.has_value()) {
+    out = *out_opt;
+    TORCH_CHECK_VALUE(out.scalar_type() == torch::kUInt8 && out.device().is_cpu() && out.is_contiguous() &&
+                          out.sizes() == src.sizes(),
+                      "repack_vnni: out must be a contiguous uint8 CPU tensor of w's shape ", src.sizes());
+    const uintptr_t a = (uintptr_t)out.data_ptr(), b = (uintptr_t)src.data_ptr(), n = (uintptr_t)src.numel();
+    TORCH_CHECK_VALUE(n == 0 || a + n <= b || b + n <= a, "repack_vnni: out must not overlap w");
+  } else {
+    out = torch::empty_like(src);
+  }
   const int64_t rows = src.size(0), rb = src.size(1);
   const uint8_t* sp = src.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
@@ -401,8 +414,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // e.g. a server's I/O, keep running during a forward pass.
   m.def("qmatmul", &ultrafast::qmatmul, "y = x @ dequant(w).T for raw GGUF weight rows", py::arg("x"), py::arg("w"),
         py::arg("qtype"), py::arg("in_features"), py::arg("act_bits") = 16, py::call_guard<py::gil_scoped_release>());
-  m.def("repack_vnni", &ultrafast::repack_vnni, "rows in the VNNI kernels' layout of their type", py::arg("w"),
-        py::arg("qtype"), py::arg("in_features"));
+  m.def("repack_vnni", &ultrafast::repack_vnni, "rows in the VNNI kernels' layout of their type (into out if given)",
+        py::arg("w"), py::arg("qtype"), py::arg("in_features"), py::arg("out") = py::none());
   m.def("vnni_layout", [](int64_t qtype) { return ultrafast::vnni_layout((int)qtype); },
         "the type id of the VNNI kernels' layout of qtype, -1 if none", py::arg("qtype"));
   m.def("rmsnorm", &ultrafast::rmsnorm, "row-wise RMSNorm", py::arg("x"), py::arg("weight"), py::arg("eps"),
