@@ -218,66 +218,6 @@ def test_acceptance_is_kept_per_match_length_class():
     assert max(emitted[-20:]) >= 6  # long drafts accepted whole
 
 
-class _LongMatchDrafter(_TwoKindsDrafter):
-    """Always a 20-token match of right tokens (argmax 1)."""
-    name = "long_match"
-
-    def propose(self, context, k, sampler=None):
-        self.match_len = 20
-        return [1] * k
-
-
-def test_learned_acceptance_carries_to_the_next_request():
-    """What a request learned of a drafter's acceptance (per match class) is where the next request starts
-    (`PolicyMemory`): its first pass drafts long at once instead of working up from the prior, and a stepper
-    without the memory starts from the prior again. Forgetting a drafter drops what was learned of it."""
-    from ultrafast.speculative import DrafterStats, PolicyMemory, SpeculativeStepper, match_class
-
-    r = [0.0, 1.0] + [1.0 + 0.05 * (k - 1) for k in range(2, 18)]
-    memory = PolicyMemory()
-
-    def first_passes(mem, n=3):
-        st = SpeculativeStepper(_ArgmaxEngine(), None, [_LongMatchDrafter()], r, memory=mem)
-        st.begin([0])
-        emitted = [len(st.step(1, pos, _Greedy(), 64)) for pos in range(n)]
-        return st, emitted
-
-    fresh = SpeculativeStepper(_ArgmaxEngine(), None, [_LongMatchDrafter()], r, memory=memory)
-    assert fresh.stats.by_drafter["long_match"].rates == {}  # nothing learned yet: the prior for every class
-    _, emitted_cold = first_passes(None)
-    learner = SpeculativeStepper(_ArgmaxEngine(), None, [_LongMatchDrafter()], r, memory=memory)
-    for pos in range(60):
-        learner.step(1, pos, _Greedy(), 64)
-    learner.end([0])
-    learned = learner.stats.by_drafter["long_match"].rates[match_class(20)]
-    assert learned > 0.99 > DrafterStats.rate
-
-    warm, emitted_warm = first_passes(memory)
-    st = warm.stats.by_drafter["long_match"]
-    assert st.rates[match_class(20)] >= learned and st.passes == 3  # started from the memory; own counters
-    assert emitted_warm[0] > emitted_cold[0] and emitted_warm[0] >= 12
-    # a request that never drafted with it leaves the memory as it was
-    idle = SpeculativeStepper(_ArgmaxEngine(), None, [_LongMatchDrafter()], r, memory=memory)
-    idle.end([0])
-    assert first_passes(memory)[1][0] == emitted_warm[0]
-    memory.forget("long_match")
-    assert first_passes(memory)[1] == emitted_cold
-
-
-def test_engine_keeps_the_policy_memory(spec_engine):
-    """The engine hands its memory to every ultrafast request; replacing a drafter forgets it."""
-    from ultrafast.speculative import PolicyMemory
-
-    assert isinstance(spec_engine.policy_memory, PolicyMemory)
-    st = spec_engine.stepper("ultrafast", ["prompt_lookup"])
-    assert st.memory is spec_engine.policy_memory
-    prompt = spec_engine.tokenizer.encode("a b c d e f g a b c d e f g a b c d e f g a b c")
-    spec_engine.generate(prompt, SamplingParams(max_tokens=24), tier="ultrafast", drafters=["prompt_lookup"])
-    assert spec_engine.policy_memory._by_drafter.get("prompt_lookup")  # the request left what it learned
-    spec_engine.use_self_spec_layers("0-1")
-    assert "prompt_lookup" in spec_engine.policy_memory._by_drafter  # only the replaced drafter is forgotten
-
-
 def test_speedup_ceiling():
     from ultrafast.speculative import speedup_ceiling
 

@@ -20,7 +20,7 @@ from .loader import LoadedModel, load
 from .model import Transformer, build_model
 from .packed import apply_packed, layout_copy_bytes
 from .sampler import SamplingParams
-from .speculative import PlainStepper, PolicyMemory, SpeculativeStepper, measure_r
+from .speculative import PlainStepper, SpeculativeStepper, measure_r
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CONTEXT = 4096
@@ -49,7 +49,6 @@ class Engine:
         # the ultrafast tier's state, kept per engine (never module-global)
         self.r_table: list[float] | None = None  # measured r(k), on first ultrafast use
         self.suffix_cache = SuffixCache()  # earlier requests' tokens, for suffix decoding
-        self.policy_memory = PolicyMemory()  # the drafters' acceptance learned by earlier requests
         self.draft_engine: "Engine | None" = None
         self.draft_cost = 0.5
         self.draft_feed_cost = 0.0  # a token the draft model feeds while catching up, in target forwards
@@ -75,7 +74,6 @@ class Engine:
             return None
         self.draft_head = load_head(path, self.model, sha)
         self.head_cost = None
-        self.policy_memory.forget("head")
         if "head" not in self.default_drafters:
             self.default_drafters = self.default_drafters + ["head"]
         return path
@@ -84,14 +82,12 @@ class Engine:
         """Which layers the self_spec drafter runs, e.g. '0-8,18-27' (`--self-spec-layers`)."""
         self.self_spec_layers = parse_layers(text, self.config.n_layers)
         self.self_spec_cost = None
-        self.policy_memory.forget("self_spec")
 
     def attach_draft_model(self, draft: "Engine") -> None:
         if draft.tokenizer.vocab_size > self.config.vocab_size + 1024 or \
                 draft.tokenizer.encode("def f(x):\n    return x") != self.tokenizer.encode("def f(x):\n    return x"):
             raise ValueError("the draft model must share the target's tokenizer")
         self.draft_engine = draft
-        self.policy_memory.forget("draft_model")
         step = _step_time(self)
         self.draft_cost = self._agree(_step_time(draft) / step)  # a draft forward in target forwards
         # a token of the draft's catch-up (fed 64 at a time, as a prompt is), in the same unit
@@ -283,8 +279,7 @@ class Engine:
                               draft_cost=self.draft_cost, draft_feed_cost=self.draft_feed_cost,
                               target=self, cache=cache,
                               self_spec_cost=self.self_spec_cost, head_cost=self.head_cost or 0.0)
-        return SpeculativeStepper(self, cache, objs, self.r_table, fixed_k=self.fixed_draft_k,
-                                  memory=self.policy_memory)
+        return SpeculativeStepper(self, cache, objs, self.r_table, fixed_k=self.fixed_draft_k)
 
     def start(self, prompt_ids: list[int], params: SamplingParams, *, tier: str = "standard",
               drafters: list[str] | None = None, cache: KVCache | None = None) -> Generation:

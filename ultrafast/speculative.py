@@ -14,9 +14,6 @@ token in target 1-token forwards (0 for lookups; measured for a draft model). Lo
 are free) and their a is kept per match-length class of the proposal (`match_class`): a long match in a
 re-sent file earns long drafts however the one-token matches fare. When no k > 0 beats a plain step it
 decodes plainly, probing again now and then, so the tier is never meaningfully slower than standard.
-What the policy has learned of each drafter's acceptance outlives the request (`PolicyMemory`, kept by the engine):
-an agent's next request, which re-sends the same file, starts drafting long runs at once instead of working up from
-the optimistic prior again.
 
 A drafter that proposes trees (the draft head: `propose_tree`) returns its nodes ranked by its own likelihood
 of each path; the stepper keeps the prefix of that ranking that maximises expected tokens per pass,
@@ -53,39 +50,6 @@ class DrafterStats:
     def to_json(self) -> dict:
         return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None}
-
-
-class PolicyMemory:
-    """The acceptance the policy has learned per drafter (its overall and per-match-class rates, a tree drafter's
-    accepted and verified nodes), carried from one request to the next: each request's stepper starts from it and
-    leaves its own at the end. Kept per engine (never module-global). Only how many tokens are drafted depends on it,
-    never which tokens are emitted."""
-
-    FIELDS = ("rate", "tree_accepted", "tree_nodes")
-
-    def __init__(self):
-        self._by_drafter: dict[str, dict] = {}
-
-    def seed(self, name: str, st: DrafterStats) -> None:
-        """Start `st` (a new request's stats of drafter `name`) from what earlier requests left."""
-        m = self._by_drafter.get(name)
-        if m is None:
-            return
-        for f in self.FIELDS:
-            setattr(st, f, m[f])
-        st.rates = dict(m["rates"])
-
-    def keep(self, name: str, st: DrafterStats) -> None:
-        """Remember `st`'s learned rates, where the request drafted with it at all."""
-        if st.passes:
-            self._by_drafter[name] = {**{f: getattr(st, f) for f in self.FIELDS}, "rates": dict(st.rates)}
-
-    def forget(self, name: str | None = None) -> None:
-        """Drop what was learned of drafter `name` (all drafters: None), e.g. when it is replaced."""
-        if name is None:
-            self._by_drafter.clear()
-        else:
-            self._by_drafter.pop(name, None)
 
 
 @dataclass
@@ -184,8 +148,7 @@ class SpeculativeStepper:
     PROBE_EVERY = 8  # plain steps in a row before trying a one-token draft again (at least)
     PROBE_BUDGET = 0.03  # ... and no sooner than the probe's extra cost stays within this share of those steps
 
-    def __init__(self, engine, cache, drafters: list, r: list[float], max_k: int = MAX_K, fixed_k: int | None = None,
-                 memory: PolicyMemory | None = None):
+    def __init__(self, engine, cache, drafters: list, r: list[float], max_k: int = MAX_K, fixed_k: int | None = None):
         if not drafters:
             raise ValueError("the ultrafast tier needs at least one drafter")
         if fixed_k is not None and not 1 <= fixed_k <= len(r) - 2:
@@ -199,11 +162,6 @@ class SpeculativeStepper:
         for d in drafters:  # a tree drafter's own estimate of what its trees get accepted (the head's report)
             if hasattr(d, "expected_accepted"):
                 self.stats.by_drafter[d.name].tree_accepted = d.expected_accepted
-        # what earlier requests learned (the engine's memory) replaces the priors above
-        self.memory = memory
-        if memory is not None:
-            for d in drafters:
-                memory.seed(d.name, self.stats.by_drafter[d.name])
         self._plain_run = 0
         self._tree_seen = [1.0, 1.0]  # (accepted nodes, predicted) decayed sums: the tree likelihoods' calibration
         self._tree_pred = 0.0  # the likelihood sum of the tree being verified
@@ -229,9 +187,6 @@ class SpeculativeStepper:
     def end(self, context: list[int]) -> None:
         for d in self.drafters:
             d.end(context)
-        if self.memory is not None:
-            for d in self.drafters:
-                self.memory.keep(d.name, self.stats.by_drafter[d.name])
 
     def _best_k(self, rate: float, limit: int, draft_cost: float = 0.0, fixed_cost: float = 0.0) -> int:
         """k maximising expected tokens per unit of cost; 0 (a plain step) unless some k beats it by 2%.
