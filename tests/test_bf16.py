@@ -24,7 +24,10 @@ def test_every_linear_is_bf16_and_the_logits_stay_near_the_fp32_models(engines, 
     b = bf16.forward(ids, 0, all_logits=True, cache=bf16.new_cache())
     assert not torch.equal(a, b)
     rel = (a - b).norm(dim=-1) / a.norm(dim=-1)
-    assert rel.max() < 0.05 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    # bf16 weights and activations move SmolLM2's logits by a few percent, more at some positions, and flip near-ties.
+    # Measured: under 0.05 everywhere on the Zen machines; on an Intel machine with AMX (oneDNN's bf16 path there)
+    # 0.003-0.061 by position (mean 0.018), the argmax equal at 11 of 13 positions. A wrong weight moves them by ~1.
+    assert rel.max() < 0.1 and rel.mean() < 0.03 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
 
 
 def test_weights_are_the_files_values_rounded_to_bf16(smollm_engine):
