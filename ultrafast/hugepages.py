@@ -5,9 +5,10 @@ Decode reads every weight once per token, in long sequential streams. On 4 KB pa
 boundary. Linux backs an anonymous mapping advised with MADV_HUGEPAGE by 2 MB pages when transparent huge
 pages are "always" or "madvise" (/sys/kernel/mm/transparent_hugepage/enabled); a file mapping is not (the
 page cache stays on 4 KB pages). So the loader places what the kernels stream in one such mapping, aligned
-to 2 MB (`empty_on_hugepages`, filled by `packed.py`), and drops the file's pages from the process. On Qwen2.5-Coder-1.5B Q4_K_M, 2 threads, `python -m
-ultrafast.benchmarks.hugepages` measures the same bytes on 4 KB pages 1.04-1.07x slower per decode step (and
-the file mapping this replaced was slower still: 36 against 30 ms, timed with alternating runs).
+to 2 MB (`empty_on_hugepages`, filled by `packed.py`), and drops the file's pages from the process. On
+Qwen2.5-Coder-1.5B Q4_K_M, 2 threads, `python -m ultrafast.benchmarks.hugepages` measures the same bytes on
+4 KB pages 1.04-1.07x slower per decode step (and the file mapping this replaced was slower still: 36 against
+30 ms, timed with alternating runs).
 
 Where huge pages are not available (another OS, THP "never", no 2 MB page free) the copy is ordinary
 memory: the same bytes, only the speed differs. `huge_bytes()` says how much of it the kernel did back with

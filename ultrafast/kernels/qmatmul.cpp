@@ -372,7 +372,6 @@ double avx2_fma_peak(int64_t threads, int64_t iters, int64_t reps) {
 
 // Rows of qtype laid out for the VNNI kernels (qmm_repack_vnni, type vnni_layout(qtype)): into `out` (uint8, w's shape,
 // contiguous, not overlapping w) when given, else a new tensor of the same shape; returns it.
-// shape.
 torch::Tensor repack_vnni(const torch::Tensor& w, int64_t qtype, int64_t in_features,
                           const std::optional<torch::Tensor>& out_opt) {
   TypeInfo ti;
