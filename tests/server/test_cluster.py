@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from ultrafast.server.auth import KeyStore
-from ultrafast.server.cluster import Cluster, haproxy_config
+from ultrafast.server.cluster import Cluster, haproxy_config, replica_threads
 from ultrafast.server.db import Database
 
 from .conftest import free_port, unavailable
@@ -67,6 +67,19 @@ def test_config_refuses_bad_addresses():
         haproxy_config("127.0.0.1:8000", ["replica-without-port"], "/tmp")
     with pytest.raises(ValueError, match="at least one replica"):
         haproxy_config("127.0.0.1:8000", [], "/tmp")
+
+
+def test_replicas_share_the_cores_unless_told(tmp_path):
+    """Replicas whose OpenMP threads outnumber the cores wait at every barrier for each other (two 2-thread
+    SmolLM2 replicas on 2 cores: 3 tok/s each): by default each gets its share of the cores."""
+    assert replica_threads(2, cores=2) == 1
+    assert replica_threads(3, cores=2) == 1
+    assert replica_threads(2, cores=16) == 8
+    assert replica_threads(1, cores=4) == 4
+    assert Cluster(2, ["--model", "m"], workdir=tmp_path).serve_args == ["--model", "m", "--threads",
+                                                                           str(replica_threads(2))]
+    for given in (["--threads", "3"], ["--threads=3"]):
+        assert Cluster(2, ["--model", "m", *given], workdir=tmp_path).serve_args == ["--model", "m", *given]
 
 
 def test_rate_limit_and_conversations_span_replicas(cluster):

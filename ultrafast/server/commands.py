@@ -120,7 +120,8 @@ def add_commands(sub) -> None:
                                                "cluster from Debian's PostgreSQL binaries)")
     up.add_argument("--model", action="append", default=None, metavar="M", help=f"as serve's (default {DEFAULT_MODEL})")
     up.add_argument("--slots", type=int, default=4, help="per replica")
-    up.add_argument("--threads", type=int, default=None, help="compute threads per replica")
+    up.add_argument("--threads", type=int, default=None,
+                    help="compute threads per replica (default: the cores shared among the replicas)")
     up.add_argument("--require-keys", action="store_true")
     up.add_argument("--prices", default=None)
     up.add_argument("--serve-args", default="", help="more `serve` options for every replica, one string")
