@@ -20,8 +20,8 @@ cluster (Debian's initdb and pg_ctl) unless `--db` names a server, N replicas on
 HAProxy on `--port`; Ctrl-C stops them. Replicas on one machine share its cores: unless `--threads` says
 otherwise each gets its share (`replica_threads`). Two processes whose OpenMP threads together outnumber the
 cores wait at every barrier for a thread the other process holds: two SmolLM2 replicas of 2 threads each on 2
-cores decoded at 3 tok/s each, against 176 tok/s alone and ~90 each at 1 thread. `ultrafast cluster haproxy-config --replica HOST:PORT ...` prints the
-configuration for replicas on other hosts.
+cores decoded at 3 tok/s each, against 176 tok/s alone and ~90 each at 1 thread.
+`ultrafast cluster haproxy-config --replica HOST:PORT ...` prints the configuration for replicas on other hosts.
 """
 
 from __future__ import annotations
