@@ -58,6 +58,8 @@ class Engine:
         self.fixed_draft_k: int | None = None  # set: no policy, every pass drafts this many (exactness checks)
         self.draft_head = None  # a trained draft head for this file (draft_head.py), when one is attached
         self.head_cost: float | None = None  # its 1-row forward in target forwards, measured on first use
+        # and what keeping its cache costs per row the target keeps (its layer over that row), in the same unit
+        self.head_upkeep: float | None = None
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)  # constrained decoding
 
     def attach_draft_head(self, path: str | Path | None = None) -> Path | None:
@@ -73,7 +75,7 @@ class Engine:
         if path is None:
             return None
         self.draft_head = load_head(path, self.model, sha)
-        self.head_cost = None
+        self.head_cost = self.head_upkeep = None
         if "head" not in self.default_drafters:
             self.default_drafters = self.default_drafters + ["head"]
         return path
@@ -274,7 +276,9 @@ class Engine:
         if "self_spec" in names and self.self_spec_cost is None:
             self.self_spec_cost = self._agree(_step_time(self, self.self_spec_layers) / _step_time(self))
         if "head" in names and self.draft_head is not None and self.head_cost is None:
-            self.head_cost = self._agree(_head_step_time(self) / _step_time(self))
+            step = _step_time(self)
+            self.head_cost = self._agree(_head_step_time(self) / step)
+            self.head_upkeep = self._agree(_head_upkeep_time(self) / step)
         objs = build_drafters(names, suffix_cache=self.suffix_cache, draft_engine=self.draft_engine,
                               draft_cost=self.draft_cost, draft_feed_cost=self.draft_feed_cost,
                               target=self, cache=cache,
@@ -326,6 +330,27 @@ def _head_step_time(engine: "Engine", reps: int = 5) -> float:
         d.propose(list(range(17)), 2)  # the second draft is one more head row
         times.append(time.perf_counter() - t)
     return sorted(times)[reps // 2] / 2
+
+
+def _head_upkeep_time(engine: "Engine", reps: int = 5) -> float:
+    """Median time the draft head spends on one row the target kept (its layer over the row, which keeps the
+    head's own cache whole): a one-token draft after one new row, less a one-token draft after none."""
+    from .drafters.head import HeadDrafter
+
+    d = HeadDrafter(engine, engine.draft_head, 0.0, 64)
+    feat = torch.zeros(1, engine.draft_head.config.feature_dim)
+    d.observe(0, torch.zeros(16, engine.draft_head.config.feature_dim), list(range(1, 17)))
+    d.propose(list(range(17)), 1)  # the catch-up
+    with_row, without = [], []
+    for i in range(reps):
+        t = time.perf_counter()
+        d.propose(list(range(17 + i)), 1)  # nothing new: the draft alone
+        without.append(time.perf_counter() - t)
+        d.observe(16 + i, feat, [17 + i])
+        t = time.perf_counter()
+        d.propose(list(range(18 + i)), 1)  # one new row through the head, then the draft
+        with_row.append(time.perf_counter() - t)
+    return max(0.0, sorted(with_row)[reps // 2] - sorted(without)[reps // 2])
 
 
 def _step_time(engine: "Engine", layers: list[int] | None = None, reps: int = 5, tokens: int = 1) -> float:

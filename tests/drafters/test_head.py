@@ -119,3 +119,21 @@ def test_a_head_on_fused_features_trains_drafts_as_trained_and_stays_exact(fused
     std = fast_e.generate(ids, params)
     fast = fast_e.generate(ids, params, tier="ultrafast", drafters=["head"])
     assert fast.token_ids == std.token_ids and fast.spec["drafters"]["head"]["drafted"] > 0
+
+
+def test_the_heads_costs_are_measured_on_first_use(tiny_head, smollm_path):
+    """A draft token's cost and the upkeep of the head's cache per kept row, each in target steps, are measured
+    when an ultrafast stepper first asks for the head, and forgotten when another head is attached."""
+    import math
+
+    from ultrafast.engine import Engine
+
+    e = Engine.from_path(smollm_path, max_context=512)
+    e.attach_draft_head(tiny_head[1])
+    assert e.head_cost is None and e.head_upkeep is None
+    e.stepper("ultrafast", drafters=["head"])
+    for v in (e.head_cost, e.head_upkeep):
+        assert isinstance(v, float) and math.isfinite(v) and v >= 0.0
+    assert e.head_cost > 0.0
+    e.attach_draft_head(tiny_head[1])
+    assert e.head_cost is None and e.head_upkeep is None

@@ -166,7 +166,8 @@ def main(args) -> int:
     head = engine.draft_head
     if head is not None:
         print(f"draft head {head.meta['path']}: {head.nbytes_per_token() / 1e6:.1f} MB of weights per draft token, "
-              f"{engine.head_cost:.3f} of a target step per draft token (measured)" if engine.head_cost is not None
+              f"{engine.head_cost:.3f} of a target step per draft token, {engine.head_upkeep:.3f} per row the target "
+              f"keeps (the head's cache, paid when it drafts) (measured)" if engine.head_cost is not None
               else f"draft head {head.meta['path']}: not used by these drafters")
     report.write(args.json, {"title": title, "table": table, "summary": summary},
                  lambda png: plot(table, f"Spec-Bench on {path.name}: {len(questions)} first turns, greedy", png))
