@@ -277,8 +277,9 @@ class Engine:
             self.self_spec_cost = self._agree(_step_time(self, self.self_spec_layers) / _step_time(self))
         if "head" in names and self.draft_head is not None and self.head_cost is None:
             step = _step_time(self)
-            self.head_cost = self._agree(_head_step_time(self) / step)
-            self.head_upkeep = self._agree(_head_upkeep_time(self) / step)
+            per_token, per_row = _head_times(self)
+            self.head_cost = self._agree(per_token / step)
+            self.head_upkeep = self._agree(per_row / step)
         objs = build_drafters(names, suffix_cache=self.suffix_cache, draft_engine=self.draft_engine,
                               draft_cost=self.draft_cost, draft_feed_cost=self.draft_feed_cost,
                               target=self, cache=cache,
@@ -317,40 +318,33 @@ class Engine:
                 return done.value
 
 
-def _head_step_time(engine: "Engine", reps: int = 5) -> float:
-    """Median time of one draft token from the draft head (a 1-row head forward and its logits)."""
+def _head_times(engine: "Engine", reps: int = 5) -> tuple[float, float]:
+    """Median times of the draft head's two costs: one draft token (a 1-row head forward and its logits), and
+    its upkeep per row the target keeps (its layer over the row, which keeps the head's own cache whole: a
+    one-token draft after one new row, less a one-token draft after none)."""
     from .drafters.head import HeadDrafter
 
     d = HeadDrafter(engine, engine.draft_head, 0.0, 64)
-    d.observe(0, torch.zeros(16, engine.draft_head.config.feature_dim), list(range(1, 17)))
+    dim = engine.draft_head.config.feature_dim
+    d.observe(0, torch.zeros(16, dim), list(range(1, 17)))
     d.propose(list(range(17)), 1)  # the catch-up
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        d.propose(list(range(17)), 2)  # the second draft is one more head row
-        times.append(time.perf_counter() - t)
-    return sorted(times)[reps // 2] / 2
-
-
-def _head_upkeep_time(engine: "Engine", reps: int = 5) -> float:
-    """Median time the draft head spends on one row the target kept (its layer over the row, which keeps the
-    head's own cache whole): a one-token draft after one new row, less a one-token draft after none."""
-    from .drafters.head import HeadDrafter
-
-    d = HeadDrafter(engine, engine.draft_head, 0.0, 64)
-    feat = torch.zeros(1, engine.draft_head.config.feature_dim)
-    d.observe(0, torch.zeros(16, engine.draft_head.config.feature_dim), list(range(1, 17)))
-    d.propose(list(range(17)), 1)  # the catch-up
-    with_row, without = [], []
+    per_token, without, with_row = [], [], []
     for i in range(reps):
+        p = 17 + i  # the head holds rows up to p - 1
         t = time.perf_counter()
-        d.propose(list(range(17 + i)), 1)  # nothing new: the draft alone
+        d.propose(list(range(p)), 2)  # the second draft is one more head row
+        per_token.append((time.perf_counter() - t) / 2)
+        t = time.perf_counter()
+        d.propose(list(range(p)), 1)  # nothing new: the draft alone
         without.append(time.perf_counter() - t)
-        d.observe(16 + i, feat, [17 + i])
+        d.observe(p - 1, torch.zeros(1, dim), [p])
         t = time.perf_counter()
-        d.propose(list(range(18 + i)), 1)  # one new row through the head, then the draft
+        d.propose(list(range(p + 1)), 1)  # one new row through the head, then the draft
         with_row.append(time.perf_counter() - t)
-    return max(0.0, sorted(with_row)[reps // 2] - sorted(without)[reps // 2])
+
+    def median(v: list[float]) -> float:
+        return sorted(v)[reps // 2]
+    return median(per_token), max(0.0, median(with_row) - median(without))
 
 
 def _step_time(engine: "Engine", layers: list[int] | None = None, reps: int = 5, tokens: int = 1) -> float:
