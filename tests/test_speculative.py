@@ -218,6 +218,56 @@ def test_acceptance_is_kept_per_match_length_class():
     assert max(emitted[-20:]) >= 6  # long drafts accepted whole
 
 
+def test_acceptance_weighs_each_drafted_token():
+    """A long run of right drafts and one rejection (an edit in a file being copied) keeps the rate high: it
+    is accepted / trials over recent passes, not an average over passes."""
+    from ultrafast.speculative import DrafterStats
+
+    st = DrafterStats()
+    for _ in range(10):
+        st.record(5, 7, 7)
+    assert st.rates[5] > 0.99 and st.rate > 0.99
+    st.record(5, 0, 1)
+    assert 0.9 < st.rates[5] < 0.99  # a per-pass average would have dropped to ~0.7
+    st.record(1, 0, 1)
+    st.record(1, 0, 1)
+    assert st.rates[1] < 0.35 and st.rates[5] > 0.9  # classes apart; the drafter's own rate counts both
+    assert st.rate < st.rates[5]
+
+
+class _Lookup:
+    """A lookup that proposes k tokens of `token` at a fixed match length."""
+
+    def __init__(self, name, token, match_len):
+        self.name, self.token, self.match_len, self.calls = name, token, match_len, 0
+
+    def begin(self, prompt_ids):
+        pass
+
+    def propose(self, context, k, sampler=None):
+        self.calls += 1
+        return [self.token] * k
+
+    def end(self, context):
+        pass
+
+
+def test_every_lookup_is_asked_and_the_best_proposal_taken():
+    """Two free lookups propose every pass; the one whose match class has been right is verified although the
+    other comes first and has the better record overall."""
+    from ultrafast.speculative import SpeculativeStepper
+
+    r = [0.0, 1.0] + [1.0 + 0.1 * (k - 1) for k in range(2, 18)]
+    wrong, right = _Lookup("wrong", 2, 1), _Lookup("right", 1, 20)
+    st = SpeculativeStepper(_ArgmaxEngine(), None, [wrong, right], r)
+    st.stats.by_drafter["wrong"].rate = 0.9  # asked first
+    sampler = _Greedy()
+    emitted = [len(st.step(1, pos, sampler, 64)) for pos in range(30)]
+    assert wrong.calls == right.calls == 30
+    assert st.stats.by_drafter["wrong"].passes <= 1 and st.stats.by_drafter["right"].passes >= 29
+    assert min(emitted[3:]) > 8  # long drafts, once its class has a record
+
+
 def test_speedup_ceiling():
     from ultrafast.speculative import speedup_ceiling
 

@@ -7,13 +7,15 @@ positions in order with the request's own sampler (`verifier.py`), so the tokens
 greedy and seeded sampled requests alike. The KV cache needs no copy to roll back: rows written for rejected
 drafts lie beyond the new position and are overwritten before anything attends to them.
 
-The adaptive policy picks k per pass from the drafter's recent per-token acceptance rate a and the
-measured cost r(n) of an n-row forward relative to a 1-row one: expected tokens per pass
-(1 + a + ... + a^k) divided by the pass's cost r(k+1) + c*k, c being what the drafter spends per drafted
-token in target 1-token forwards (0 for lookups; measured for a draft model). Lookups are asked first (they
-are free) and their a is kept per match-length class of the proposal (`match_class`): a long match in a
-re-sent file earns long drafts however the one-token matches fare. When no k > 0 beats a plain step it
-decodes plainly, probing again now and then, so the tier is never meaningfully slower than standard.
+The adaptive policy picks k per pass from the drafter's recent per-token acceptance rate a (accepted drafts
+over trials in its last few passes: `DrafterStats.record`) and the measured cost r(n) of an n-row forward
+relative to a 1-row one: expected tokens per pass (1 + a + ... + a^k) divided by the pass's cost
+r(k+1) + c*k, c being what the drafter spends per drafted token in target 1-token forwards (0 for lookups;
+measured for a draft model). The lookups are free, so all are asked, and the proposal with the best expected
+gain is verified; their a is kept per class of proposal (`lookup_class`: the match length's, and apart for
+prompt lookup's continuation of the text it was copying): a long match in a re-sent file earns long drafts
+however the one-token matches fare. When no k > 0 beats a plain step it decodes plainly, probing again now
+and then, so the tier is never meaningfully slower than standard.
 
 A drafter that proposes trees (the draft head: `propose_tree`) returns its nodes ranked by its own likelihood
 of each path; the stepper keeps the prefix of that ranking that maximises expected tokens per pass,
@@ -39,13 +41,33 @@ class DrafterStats:
     passes: int = 0
     drafted: int = 0
     accepted: int = 0
-    rate: float = 0.6  # recent per-token acceptance (EMA), optimistic at first
-    # the same by match-length class (lookup drafters: see match_class), so that a long match is not judged
+    rate: float = 0.6  # recent per-token acceptance, optimistic at first (`record`)
+    # the same by class of proposal (lookup drafters: see lookup_class), so that a long match is not judged
     # by the short ones' record
     rates: dict[int, float] = field(default_factory=dict)
+    # recent accepted drafts and trials (decayed sums) behind rate (key None) and rates (key: the class)
+    counts: dict = field(default_factory=dict)
     # a tree drafter's recent passes (EMA): nodes accepted and nodes verified, optimistic at first
     tree_accepted: float = 2.0
     tree_nodes: float = 4.0
+
+    DECAY = 0.7  # per pass: the last few passes count
+    PRIOR_TRIALS = 2.0  # the optimistic start weighs as much as two trials
+
+    def record(self, cls: int, accepted: int, trials: int) -> None:
+        """A pass's outcome: `accepted` drafts of `trials` (the accepted ones and the first rejected, if any)
+        at match class `cls`. The rates are accepted / trials over recent passes, so a long run of right
+        drafts weighs by its tokens: one rejection at an edit of a file being copied lowers a long match's
+        rate a little, not by the third that a per-pass average took (which then shortened the next drafts
+        of the same copy)."""
+        for key in (None, cls):
+            a, t = self.counts.get(key, (DrafterStats.rate * self.PRIOR_TRIALS, self.PRIOR_TRIALS))
+            a, t = self.DECAY * a + accepted, self.DECAY * t + trials
+            self.counts[key] = (a, t)
+            if key is None:
+                self.rate = a / t
+            else:
+                self.rates[key] = a / t
 
     def to_json(self) -> dict:
         return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
@@ -109,6 +131,15 @@ def speedup_ceiling(r: list[float]) -> tuple[float, int]:
 def match_class(n: int) -> int:
     """Match lengths 1, 2-3, 4-7, 8-15, 16+ -> classes 1..5; 0: not a lookup (no match length)."""
     return min(5, max(0, int(n)).bit_length())
+
+
+NEAR = 8  # added to the match class of a lookup's proposal that continues its copy (a drafter's `near`)
+
+
+def lookup_class(d) -> int:
+    """The class a lookup's last proposal is judged in: its match length's (`match_class`), apart for one that
+    continued the text the drafter was copying (`near`, prompt lookup's anchor) from one matched elsewhere."""
+    return match_class(getattr(d, "match_len", 0)) + (NEAR if getattr(d, "near", False) else 0)
 
 
 def forward_times(engine, max_k: int = MAX_K, reps: int = 3, *, prefix: list[int] | None = None,
@@ -192,11 +223,16 @@ class SpeculativeStepper:
         """k maximising expected tokens per unit of cost; 0 (a plain step) unless some k beats it by 2%.
         draft_cost: the drafter's cost per drafted token, in target 1-token forwards (0 for lookups);
         fixed_cost: what it must spend before drafting at all (a draft model catching up on the context)."""
+        return self._best_k_gain(rate, limit, draft_cost, fixed_cost)[0]
+
+    def _best_k_gain(self, rate: float, limit: int, draft_cost: float = 0.0,
+                     fixed_cost: float = 0.0) -> tuple[int, float]:
+        """`_best_k` and its expected gain (1.0 for a plain step)."""
         best_k, best_gain = 0, 1.0
         for gain, k in pass_gains(rate, self.r, limit, draft_cost, fixed_cost):
             if gain > best_gain * 1.02:
                 best_k, best_gain = k, gain
-        return best_k
+        return best_k, best_gain
 
     def probe_interval(self, draft_cost: float = 0.0, fixed_cost: float = 0.0) -> int:
         """Plain steps between probes: a probe costs r(2) - 1 more than a plain step (plus the draft and its
@@ -227,19 +263,17 @@ class SpeculativeStepper:
         if self.fixed_k is not None:
             return self._draft_fixed(context, sampler, min(self.fixed_k, limit))
         order = sorted(self.drafters, key=lambda d: -self.stats.by_drafter[d.name].rate)
+        asked_lookups = False
         for d in order:
             st = self.stats.by_drafter[d.name]
             cost = getattr(d, "cost_per_token", 0.0)
-            if cost == 0.0:  # a lookup: ask first (it is free), then size k by the acceptance of its match class
-                drafts = d.propose(context, limit, sampler)[:limit]
-                if not drafts:
-                    continue
-                cls = match_class(getattr(d, "match_len", 0))
-                k = self._best_k(st.rates.get(cls, DrafterStats.rate), len(drafts))
-                if k == 0 and self._plain_run >= self.probe_interval():
-                    k = 1
-                if k > 0:
-                    return d, drafts[:k], cls, None
+            if cost == 0.0:  # the lookups: all asked at once (they are free), the best proposal taken
+                if not asked_lookups:
+                    asked_lookups = True
+                    drafted = self._draft_lookups([x for x in order if getattr(x, "cost_per_token", 0.0) == 0.0],
+                                                  context, sampler, limit)
+                    if drafted:
+                        return drafted
                 continue
             # a draft model first feeds what its cache lacks (the whole prompt, the first time): charged too
             catch_up = d.catch_up_cost(context) if hasattr(d, "catch_up_cost") else 0.0
@@ -264,6 +298,27 @@ class SpeculativeStepper:
                 return d, drafts, 0, None
         return None, [], 0, None
 
+    def _draft_lookups(self, lookups: list, context, sampler, limit: int):
+        """Every lookup's proposal, each sized by the acceptance of its match class (`lookup_class`); the one
+        with the best expected gain, or None if none beats a plain step (but on a probe, one token from the
+        first that proposed anything)."""
+        best, first = None, None
+        for d in lookups:
+            drafts = d.propose(context, limit, sampler)[:limit]
+            if not drafts:
+                continue
+            cls = lookup_class(d)
+            first = first or (d, drafts[:1], cls, None)
+            rate = self.stats.by_drafter[d.name].rates.get(cls, DrafterStats.rate)
+            k, gain = self._best_k_gain(rate, len(drafts))
+            if k and (best is None or gain > best[0]):
+                best = (gain, (d, drafts[:k], cls, None))
+        if best is not None:
+            return best[1]
+        if first is not None and self._plain_run >= self.probe_interval():
+            return first
+        return None
+
     def _draft_tree(self, d, context, sampler, limit: int, tree_cost: float):
         """The drafter's ranked tree, the lookups' matches grafted on (each token at its match class's
         acceptance), cut to the size that pays (`tree_size`; at least one node on a probe)."""
@@ -271,8 +326,7 @@ class SpeculativeStepper:
         for lk in self.drafters:
             if getattr(lk, "cost_per_token", 0.0) == 0.0 and toks:
                 chain = lk.propose(context, self.max_k, sampler)[:self.max_k]
-                rate = self.stats.by_drafter[lk.name].rates.get(match_class(getattr(lk, "match_len", 0)),
-                                                                DrafterStats.rate)
+                rate = self.stats.by_drafter[lk.name].rates.get(lookup_class(lk), DrafterStats.rate)
                 if chain and rate > 0.05:
                     toks, parents, scores = graft(toks, parents, scores, chain, math.log(min(rate, 0.99)))
         n = self.tree_size(scores, parents, limit, tree_cost)
@@ -297,7 +351,7 @@ class SpeculativeStepper:
                 drafts = d.propose(context, k, sampler)[:k]
             if drafts:
                 self._turn = (self._turn + i + 1) % n
-                return d, drafts, match_class(getattr(d, "match_len", 0)), parents
+                return d, drafts, lookup_class(d), parents
         self._turn = (self._turn + 1) % n
         return None, [], 0, None
 
@@ -343,9 +397,7 @@ class SpeculativeStepper:
             st.passes += 1
             st.drafted += len(drafts)
             st.accepted += accepted
-            trials = accepted + (1 if accepted < len(drafts) else 0)
-            st.rate = (1 - self.EMA) * st.rate + self.EMA * (accepted / trials)
-            st.rates[cls] = (1 - self.EMA) * st.rates.get(cls, DrafterStats.rate) + self.EMA * (accepted / trials)
+            st.record(cls, accepted, accepted + (1 if accepted < len(drafts) else 0))
         return out
 
 

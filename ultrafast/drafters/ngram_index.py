@@ -1,14 +1,20 @@
-"""An index from n-grams of a token sequence to where they last occurred: the lookup behind the
-prompt-lookup and suffix drafters. Appending is O(levels) per token; a lookup is O(levels)."""
+"""An index from n-grams of a token sequence to where they occurred: the lookup behind the prompt-lookup and
+suffix drafters. Appending is O(levels) per token; a lookup is O(levels) (O(levels log occurrences) near an
+anchor)."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 
 class NgramIndex:
-    def __init__(self, levels: tuple[int, ...]):
+    def __init__(self, levels: tuple[int, ...], *, every_occurrence: bool = False):
         self.levels = tuple(sorted(set(levels), reverse=True))  # longest first
         self.tokens: list[int] = []
         self._maps: dict[int, dict[tuple, int]] = {n: {} for n in self.levels}
+        # every occurrence's end, ascending (only if asked: `lookup_near` needs them)
+        self._all: dict[int, dict[tuple, list[int]]] | None = {n: {} for n in self.levels} if every_occurrence \
+            else None
         self._indexed = 0  # n-grams ending before this position are in the maps
 
     def extend(self, tokens: list[int]) -> None:
@@ -20,17 +26,44 @@ class NgramIndex:
         for e in range(self._indexed + 1, len(toks)):
             for n in self.levels:
                 if e >= n:
-                    self._maps[n][tuple(toks[e - n:e])] = e
+                    key = tuple(toks[e - n:e])
+                    self._maps[n][key] = e
+                    if self._all is not None:
+                        self._all[n].setdefault(key, []).append(e)
         self._indexed = max(self._indexed, len(toks) - 1)
 
-    def lookup(self, suffix: list[int], k: int, min_n: int = 1) -> tuple[int, list[int]]:
-        """The longest indexed n-gram equal to the end of `suffix` (n >= min_n): (n, up to k tokens after its
-        most recent occurrence). (0, []) when nothing matches."""
+    def lookup_at(self, suffix: list[int], k: int, min_n: int = 1) -> tuple[int, int, list[int]]:
+        """The longest indexed n-gram equal to the end of `suffix` (n >= min_n): (n, the position after its most
+        recent occurrence, up to k tokens from there). (0, -1, []) when nothing matches."""
         self._catch_up()
         for n in self.levels:
             if n < min_n or n > len(suffix):
                 continue
             e = self._maps[n].get(tuple(suffix[-n:]))
             if e is not None:
-                return n, self.tokens[e:e + k]
-        return 0, []
+                return n, e, self.tokens[e:e + k]
+        return 0, -1, []
+
+    def lookup(self, suffix: list[int], k: int, min_n: int = 1) -> tuple[int, list[int]]:
+        """`lookup_at` without the position: (n, up to k tokens after the n-gram's most recent occurrence)."""
+        n, _, drafts = self.lookup_at(suffix, k, min_n)
+        return n, drafts
+
+    def lookup_near(self, suffix: list[int], k: int, anchor: int, window: int,
+                    min_n: int = 1) -> tuple[int, int, list[int]]:
+        """The longest n-gram equal to the end of `suffix` (n >= min_n) that occurs ending in [anchor, anchor +
+        window]: (n, the first such end, up to k tokens from there); (0, -1, []) when none does. Needs
+        every_occurrence."""
+        if self._all is None:
+            raise ValueError("lookup_near needs an index built with every_occurrence=True")
+        self._catch_up()
+        for n in self.levels:
+            if n < min_n or n > len(suffix):
+                continue
+            ends = self._all[n].get(tuple(suffix[-n:]))
+            if not ends:
+                continue
+            i = bisect_left(ends, anchor)
+            if i < len(ends) and ends[i] <= anchor + window:
+                return n, ends[i], self.tokens[ends[i]:ends[i] + k]
+        return 0, -1, []
