@@ -263,15 +263,13 @@ class SpeculativeStepper:
         if self.fixed_k is not None:
             return self._draft_fixed(context, sampler, min(self.fixed_k, limit))
         order = sorted(self.drafters, key=lambda d: -self.stats.by_drafter[d.name].rate)
-        asked_lookups = False
+        lookups = [d for d in order if _is_lookup(d)]
         for d in order:
             st = self.stats.by_drafter[d.name]
             cost = getattr(d, "cost_per_token", 0.0)
-            if cost == 0.0:  # the lookups: all asked at once (they are free), the best proposal taken
-                if not asked_lookups:
-                    asked_lookups = True
-                    drafted = self._draft_lookups([x for x in order if getattr(x, "cost_per_token", 0.0) == 0.0],
-                                                  context, sampler, limit)
+            if _is_lookup(d):  # the lookups: all asked at once (they are free), the best proposal taken
+                if d is lookups[0]:
+                    drafted = self._draft_lookups(lookups, context, sampler, limit)
                     if drafted:
                         return drafted
                 continue
@@ -324,7 +322,7 @@ class SpeculativeStepper:
         acceptance), cut to the size that pays (`tree_size`; at least one node on a probe)."""
         toks, parents, scores = d.propose_tree(context, self.max_k, sampler)
         for lk in self.drafters:
-            if getattr(lk, "cost_per_token", 0.0) == 0.0 and toks:
+            if _is_lookup(lk) and toks:
                 chain = lk.propose(context, self.max_k, sampler)[:self.max_k]
                 rate = self.stats.by_drafter[lk.name].rates.get(lookup_class(lk), DrafterStats.rate)
                 if chain and rate > 0.05:
@@ -399,6 +397,11 @@ class SpeculativeStepper:
             st.accepted += accepted
             st.record(cls, accepted, accepted + (1 if accepted < len(drafts) else 0))
         return out
+
+
+def _is_lookup(d) -> bool:
+    """A drafter that costs nothing to ask (no forwards of its own: prompt lookup, suffix, grammar)."""
+    return getattr(d, "cost_per_token", 0.0) == 0.0
 
 
 def _tree_cost(d) -> float:

@@ -11,8 +11,9 @@ class NgramIndex:
     def __init__(self, levels: tuple[int, ...], *, every_occurrence: bool = False):
         self.levels = tuple(sorted(set(levels), reverse=True))  # longest first
         self.tokens: list[int] = []
+        # per level, n-gram -> the end of its most recent occurrence; or, with every_occurrence (which
+        # `lookup_near` needs), n-gram -> every occurrence's end, ascending (the last is the most recent)
         self._maps: dict[int, dict[tuple, int]] = {n: {} for n in self.levels}
-        # every occurrence's end, ascending (only if asked: `lookup_near` needs them)
         self._all: dict[int, dict[tuple, list[int]]] | None = {n: {} for n in self.levels} if every_occurrence \
             else None
         self._indexed = 0  # n-grams ending before this position are in the maps
@@ -26,10 +27,10 @@ class NgramIndex:
         for e in range(self._indexed + 1, len(toks)):
             for n in self.levels:
                 if e >= n:
-                    key = tuple(toks[e - n:e])
-                    self._maps[n][key] = e
-                    if self._all is not None:
-                        self._all[n].setdefault(key, []).append(e)
+                    if self._all is None:
+                        self._maps[n][tuple(toks[e - n:e])] = e
+                    else:
+                        self._all[n].setdefault(tuple(toks[e - n:e]), []).append(e)
         self._indexed = max(self._indexed, len(toks) - 1)
 
     def lookup_at(self, suffix: list[int], k: int, min_n: int = 1) -> tuple[int, int, list[int]]:
@@ -39,7 +40,12 @@ class NgramIndex:
         for n in self.levels:
             if n < min_n or n > len(suffix):
                 continue
-            e = self._maps[n].get(tuple(suffix[-n:]))
+            key = tuple(suffix[-n:])
+            if self._all is None:
+                e = self._maps[n].get(key)
+            else:
+                ends = self._all[n].get(key)
+                e = ends[-1] if ends else None
             if e is not None:
                 return n, e, self.tokens[e:e + k]
         return 0, -1, []
