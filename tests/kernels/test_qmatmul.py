@@ -580,16 +580,17 @@ def test_repacked_same_values(vnni, qtype, act_bits):
 
 
 @pytest.mark.parametrize("act_bits", [16, 8])
-# x of 8 rows within L1 (tiles of 1 x 8) or not (2 x 4); 4864: Q4_K's 19 super-blocks, the last in the file's
-# layout, Q5_0's 152 blocks, a last group of 8; 576: Q4_1's 18 blocks, a last group of 2
+# the rows' x within 3/4 of L1 (tiles of one weight row x up to 16 rows; Q6_K's only with int8 x) or not (2 x 4);
+# 4864: Q4_K's 19 super-blocks, the last in the file's layout, Q5_0's 152 blocks, a last group of 8; 576: Q4_1's 18
+# blocks, a last group of 2
 @pytest.mark.parametrize("qtype,k_in", [(uk.Q4_K, 1536), (uk.Q4_K, 4864), (uk.Q4_1, 576), (uk.Q5_0, 4864),
-                                        (uk.Q8_0, 1536), (uk.Q4_0, 8192), (uk.Q6_K, 8960)])
+                                        (uk.Q8_0, 1536), (uk.Q4_0, 8192), (uk.Q6_K, 1536), (uk.Q6_K, 8960)])
 def test_repacked_batch_invariant(vnni, act_bits, qtype, k_in):
     layout = uk.vnni_layout(qtype)
     raw = uk.repack_vnni(torch.from_numpy(random_weight(qtype, 35, k_in, seed=7)), qtype, k_in)
     x = torch.randn(80, k_in, generator=torch.Generator().manual_seed(1))
     singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, layout, k_in, act_bits=act_bits) for i in range(80)])
-    for k in (2, 3, 5, 8, 9, 16, 37, 80):  # one chunk of rows, several, and (37 or 80 rows) the weight-tiled schedule
+    for k in (2, 3, 5, 8, 9, 12, 15, 16, 37, 80):  # one chunk of rows, several, and (37 or 80) the weight-tiled schedule
         assert torch.equal(uk.qmatmul(x[:k], raw, layout, k_in, act_bits=act_bits), singles[:k]), f"k={k}"
     assert torch.equal(uk.qmatmul(x[:4], raw[1:], layout, k_in, act_bits=act_bits), singles[:4, 1:])
     with num_threads(1):

@@ -40,6 +40,8 @@
 // and into L2 (PF_NEAR, PF_FAR; measured on the 1.5B model: 49 -> 40 -> 37 ms per step).
 #include "qmatmul_kernels.h"
 
+#include <unistd.h>  // sysconf: the L1 data cache's size (a C header, included before the target pragma)
+
 #if defined(__x86_64__) && defined(__GNUC__)
 
 #if defined(__clang__)
@@ -584,18 +586,40 @@ constexpr int NW_MAX = 2, R_MAX = 4;
 // R2_MAX activation rows, which pays where the chunks' x stays in L1 (see rows()). Measured with a harness over these
 // kernels (random Q4_K, 2 threads, weights from memory; time against the file's layout), 8960 x 1536, int8, k = 1 /
 // 4 / 10 / 16: 2 x 4 tile 0.80 / 0.87 / 0.83 / 0.87, 1 x 8 tile 0.88 / 0.92 / 0.74 / 0.72; 1536 x 8960 (x 21 KB a
-// row): 2 x 4 0.71 / 0.80 / 0.80 / 0.78, 1 x 8 0.81 / 1.11 / 1.05 / 1.06.
-constexpr int R2_MAX = 8;
+// row): 2 x 4 0.71 / 0.80 / 0.80 / 0.78, 1 x 8 0.81 / 1.11 / 1.05 / 1.06. Up to 16 rows a tile (16 accumulators and
+// the 8 weight vectors stay in registers) where their x fits L1: on a 48 KB L1 (Intel Xeon, 2026-12-05) the 1.5B's
+// r(k) at int8 (`ultrafast bench --activation-bits 8`, alternated with 8 rows a tile and a 32 KB bound) fell 3-6% at
+// k = 5..8, 12% at k = 9 (one chunk instead of two) and 4-6% at k = 10..16.
+constexpr int R2_MAX = 16;
 // Up to this many bytes of prepared x, every tile of weight rows is read whole against all activation rows
 // (x stays in L2); more (prefill) takes the weight-tiled schedule (see rows()). Measured on the 1.5B's down
 // projection (Q6_K, K = 8960, 31 KB of x per row), 1 thread: k = 16 (500 KB) whole rows 8.7 cycles per
 // 128-value product against 10.7 for the K-panelled schedule used before; k = 24 (750 KB) 9.2 against 10.7.
 constexpr int64_t WHOLE_ROWS_X = 768 * 1024;
-// With one weight row a tile (KQ4K2, KB16) every weight row re-reads all rows' x, which must then stay in L1 (32 KB on
-// Zen 4): that tile only where a chunk's x fits L1_X, and whole rows up to WHOLE_ROWS_X1 bytes of x, else the
-// weight-tiled schedule. Measured on Q4_K 8960 x 1536 repacked, 2 threads, int16, k = 10 / 16: 2.01 / 2.65 ns per
-// 128-value product with whole rows at any size, 1.70 / 1.64 with this bound.
-constexpr int64_t WHOLE_ROWS_X1 = 24 * 1024, L1_X = 32 * 1024;
+// With one weight row a tile every weight row re-reads all rows' x, which must then stay in L1: that tile only where a
+// chunk's x fits 3/4 of the L1 data cache (l1_bytes(): 32 KB on Zen 4, 48 KB on Zen 5 and recent Xeons), and whole
+// rows while all of x fits there, else the weight-tiled schedule. Measured on Zen 4, Q4_K 8960 x 1536 repacked, 2 threads,
+// int16, k = 10 / 16: 2.01 / 2.65 ns per 128-value product with whole rows at any size, 1.70 / 1.64 with this bound.
+int64_t l1_bytes() {
+  static const int64_t bytes = [] {
+    const long got = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return got >= 16 * 1024 && got <= 1024 * 1024 ? (int64_t)got : (int64_t)32 * 1024;  // unknown: Zen 4's
+  }();
+  return bytes;
+}
+// The layouts that take that tile: those with eight weight vectors a group, and Q6_K's with int8 x (four, but a decode
+// of 3 loads, 12 logic ops and the scales' convert for 4 products a row, spread over up to 16 activation rows instead of
+// 4: the 1.5B's LM head (151936 x 1536) took 9.3 ms instead of 11.3-11.5 at k = 8 and 18.2-18.6 instead of 20.8-20.9
+// at k = 16 with 8 rows a tile, `python -m ultrafast.benchmarks.kernel_shapes --activation-bits 8`, alternated with
+// the build before; the down projection, whose x does not fit L1, unchanged; with int16 x no gain, 3% lost at k = 16).
+template <class T, bool X8>
+struct OneRowTiles {
+  static constexpr bool value = T::NVEC > 4;
+};
+template <bool X8>
+struct OneRowTiles<KQ6KR, X8> {
+  static constexpr bool value = X8;
+};
 
 // One fp32 accumulator per (weight row, activation row). Every tile holds at least two independent outputs
 // (NW_MAX weight rows, or several activation rows), and a group's integer products take several times the
@@ -779,8 +803,7 @@ UF_INLINE int64_t run_tile(const uint8_t* xg, int64_t ldx, int64_t r0, int64_t r
 // weight-tiled schedule).
 template <class T, int NWT, int RT, bool X8>
 bool schedule(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
-              int64_t ldy, int64_t n0, int64_t n1, bool whole) {
-  const int64_t nch = (k + RT - 1) / RT, per = (k + nch - 1) / nch;  // activation rows per chunk
+              int64_t ldy, int64_t n0, int64_t n1, bool whole, int64_t per) {
   if (whole) {  // all rows' x stays in L2 (L1): whole rows, chunks of <= RT rows
     const bool far = (n1 - n0) * rb >= PF_FAR_MIN;
     for (int64_t n = n0, step = 0; n < n1; n += step)
@@ -802,18 +825,29 @@ bool schedule(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_
   return true;
 }
 
-// The tile and schedule for k activation rows (the tile never changes an output's arithmetic): KQ4K2 and KB16 take one
-// weight row x up to R2_MAX activation rows when k > R_MAX and a chunk's x fits L1 (whole rows while all of x stays in
-// L1); every other case NW_MAX x R_MAX, whole rows up to 2 * R_MAX activation rows or WHOLE_ROWS_X bytes of x.
+// Chunks of at most `most` of the k activation rows, as even as they can be: the rows of each.
+static inline int64_t rows_per_chunk(int64_t k, int64_t most) {
+  const int64_t nch = (k + most - 1) / most;
+  return (k + nch - 1) / nch;
+}
+
+// The tile and schedule for k activation rows (the tile never changes an output's arithmetic): the layouts of
+// OneRowTiles take one weight row x up to R2_MAX activation rows when k > R_MAX and chunks of more than R_MAX rows
+// keep their x within 3/4 of L1 (the rest for the weight rows passing through; whole rows while all of x fits there);
+// every other case NW_MAX x R_MAX, whole rows up to 2 * R_MAX activation rows or WHOLE_ROWS_X bytes of x.
 template <class T, bool X8>
 bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
           int64_t ldy, int64_t n0, int64_t n1) {
-  if constexpr (T::NVEC > 4) {
-    if (k > R_MAX && ldx * (k < R2_MAX ? k : R2_MAX) <= L1_X)
-      return schedule<T, 1, R2_MAX, X8>(xg, ldx, k, K, w, rb, y, ldy, n0, n1, k * ldx <= WHOLE_ROWS_X1);
+  if constexpr (OneRowTiles<T, X8>::value) {
+    const int64_t room = 3 * l1_bytes() / 4, fit = ldx > 0 ? room / ldx : 0;  // rows whose x fits 3/4 of L1 together
+    if (k > R_MAX && fit > R_MAX) {
+      const int64_t per = rows_per_chunk(k, fit < R2_MAX ? fit : R2_MAX);
+      if (per > R_MAX)
+        return schedule<T, 1, R2_MAX, X8>(xg, ldx, k, K, w, rb, y, ldy, n0, n1, k * ldx <= room, per);
+    }
   }
   return schedule<T, NW_MAX, R_MAX, X8>(xg, ldx, k, K, w, rb, y, ldy, n0, n1,
-                                        k <= 2 * R_MAX || k * ldx <= WHOLE_ROWS_X);
+                                        k <= 2 * R_MAX || k * ldx <= WHOLE_ROWS_X, rows_per_chunk(k, R_MAX));
 }
 
 // A row's prepared x: its kernel blocks (the last maybe partial), or (TAIL_FILE) its whole kernel blocks and then
