@@ -621,6 +621,24 @@ template <bool X8>
 struct OneRowTiles<KQ6KR, X8> {
   static constexpr bool value = X8;
 };
+// Activation rows of the NW_MAX-row tile: 2 * R_MAX for Q6_K (its 4 weight vectors a row leave the registers for 16
+// accumulators, and its decode is spread over twice the rows), R_MAX for the rest. Where Q6_K's x does not fit L1 (the
+// 1.5B's down projection, 1536 x 8960) or its one-row tiles do not run (int16 x), `python -m
+// ultrafast.benchmarks.kernel_shapes`, alternated with the build before: the down projection at int8 0.65 against
+// 0.71-0.74 ms at k = 8 and 1.17-1.22 against 1.25-1.29 at k = 16; at int16 0.81-0.89 against 0.91-0.95 and 1.57-1.70
+// against 1.72-1.74; the LM head at int16 12.1 against 14.5-14.8 ms at k = 8 and 26.2-27.0 against 29.3 at k = 16.
+template <class T>
+struct TileRows {
+  static constexpr int value = R_MAX;
+};
+template <>
+struct TileRows<KQ6K> {
+  static constexpr int value = 2 * R_MAX;
+};
+template <>
+struct TileRows<KQ6KR> {
+  static constexpr int value = 2 * R_MAX;
+};
 
 // One fp32 accumulator per (weight row, activation row). Every tile holds at least two independent outputs
 // (NW_MAX weight rows, or several activation rows), and a group's integer products take several times the
@@ -777,7 +795,7 @@ UF_INLINE void with_rows(int64_t rr, F&& f) {
 }
 
 // run() on the widest weight tile that fits the weight rows [n, ne) left (NW_MAX, or 1 for the last of an odd
-// range) against activation rows [r0, r0 + rr), rr <= R_MAX; returns the number of weight rows done.
+// range) against activation rows [r0, r0 + rr), rr <= RT; returns the number of weight rows done.
 template <class T, int NWT, int RT, bool X8>
 UF_INLINE int64_t run_tile(const uint8_t* xg, int64_t ldx, int64_t r0, int64_t rr, int64_t K, const uint8_t* w,
                            int64_t rb, float* y, int64_t ldy, int64_t n, int64_t ne, bool far) {
@@ -835,7 +853,7 @@ static inline int64_t rows_per_chunk(int64_t k, int64_t most) {
 // The tile and schedule for k activation rows (the tile never changes an output's arithmetic): the layouts of
 // OneRowTiles take one weight row x up to R2_MAX activation rows when k > R_MAX and chunks of more than R_MAX rows
 // keep their x within 3/4 of L1 (the rest for the weight rows passing through; whole rows while all of x fits there);
-// every other case NW_MAX x R_MAX, whole rows up to 2 * R_MAX activation rows or WHOLE_ROWS_X bytes of x.
+// every other case NW_MAX x TileRows, whole rows up to 2 * R_MAX activation rows or WHOLE_ROWS_X bytes of x.
 template <class T, bool X8>
 bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
           int64_t ldy, int64_t n0, int64_t n1) {
@@ -847,8 +865,9 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
         return schedule<T, 1, R2_MAX, X8>(xg, ldx, k, K, w, rb, y, ldy, n0, n1, k * ldx <= room, per);
     }
   }
-  return schedule<T, NW_MAX, R_MAX, X8>(xg, ldx, k, K, w, rb, y, ldy, n0, n1,
-                                        k <= 2 * R_MAX || k * ldx <= WHOLE_ROWS_X, rows_per_chunk(k, R_MAX));
+  constexpr int RT = TileRows<T>::value;
+  return schedule<T, NW_MAX, RT, X8>(xg, ldx, k, K, w, rb, y, ldy, n0, n1,
+                                     k <= 2 * R_MAX || k * ldx <= WHOLE_ROWS_X, rows_per_chunk(k, RT));
 }
 
 // A row's prepared x: its kernel blocks (the last maybe partial), or (TAIL_FILE) its whole kernel blocks and then
