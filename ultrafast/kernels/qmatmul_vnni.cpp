@@ -812,18 +812,18 @@ UF_INLINE int64_t run_tile(const uint8_t* xg, int64_t ldx, int64_t r0, int64_t r
 // Weight rows [n0, n1), two schedules of the same run() (so every output gets the same operations in the same
 // order whichever is taken):
 // - Few activation rows (decode, verification: up to 2 * R_MAX, or as many as keep their prepared x within
-//   WHOLE_ROWS_X): each tile of weight rows is read whole from memory by run(), once per chunk of up to R_MAX
-//   activation rows (the second chunk finds the tile's bytes in L1/L2).
+//   WHOLE_ROWS_X): each tile of weight rows is read whole from memory by run(), once per chunk of `per` activation
+//   rows (the later chunks find the tile's bytes in L1/L2).
 // - More (prefill): tiles of weight rows of ~256 KB, read from memory once and kept in L2, each swept by every
-//   chunk of R_MAX activation rows. (A K-panelled schedule that kept the partial sums of all rows in memory
+//   chunk of `per` activation rows. (A K-panelled schedule that kept the partial sums of all rows in memory
 //   between panels ran at 12.6-14.7 cycles per 128-value product on the 1.5B's shapes at k = 512; this one
 //   at 8.7-10.4, 1 thread.)
 // The schedule below with tiles of NWT weight rows x up to RT activation rows; whole: rows read whole (else the
-// weight-tiled schedule).
+// weight-tiled schedule); per: the activation rows of a chunk (<= RT, `rows_per_chunk`).
 template <class T, int NWT, int RT, bool X8>
 bool schedule(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
               int64_t ldy, int64_t n0, int64_t n1, bool whole, int64_t per) {
-  if (whole) {  // all rows' x stays in L2 (L1): whole rows, chunks of <= RT rows
+  if (whole) {  // all rows' x stays in L2 (L1): whole rows, chunks of `per` rows
     const bool far = (n1 - n0) * rb >= PF_FAR_MIN;
     for (int64_t n = n0, step = 0; n < n1; n += step)
       for (int64_t r0 = 0; r0 < k; r0 += per)
@@ -831,7 +831,7 @@ bool schedule(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_
     return true;
   }
   // Prefill: tiles of weight rows of about TILE_BYTES (streamed from memory once, then kept in L2), each
-  // swept by every chunk of R_MAX activation rows (whose x stays in L1/L2 while it meets the tile's rows).
+  // swept by every chunk of `per` activation rows (whose x stays in L1/L2 while it meets the tile's rows).
   constexpr int64_t TILE_BYTES = 256 * 1024;
   int64_t G = TILE_BYTES / rb;
   G = G < NW_MAX ? NW_MAX : G / NW_MAX * NW_MAX;
