@@ -11,9 +11,10 @@ class NgramIndex:
     def __init__(self, levels: tuple[int, ...], *, every_occurrence: bool = False):
         self.levels = tuple(sorted(set(levels), reverse=True))  # longest first
         self.tokens: list[int] = []
-        # per level, n-gram -> the end of its most recent occurrence; or, with every_occurrence (which
-        # `lookup_near` needs), n-gram -> every occurrence's end, ascending (the last is the most recent)
-        self._maps: dict[int, dict[tuple, int]] = {n: {} for n in self.levels}
+        # per level, n-gram -> the end of its most recent occurrence (_maps); or, with every_occurrence (which
+        # `lookup_near` needs), n-gram -> every occurrence's end, ascending, the last the most recent (_all).
+        # One of the two is kept, the other is None.
+        self._maps: dict[int, dict[tuple, int]] | None = None if every_occurrence else {n: {} for n in self.levels}
         self._all: dict[int, dict[tuple, list[int]]] | None = {n: {} for n in self.levels} if every_occurrence \
             else None
         self._indexed = 0  # n-grams ending before this position are in the maps
