@@ -65,3 +65,53 @@ def test_which_types_are_repacked(vnni):
     # float weights keep the file's layout on every path
     f32 = PackedLinear(torch.zeros(4, 512 * 4, dtype=torch.uint8), kernels.F32, 512, 4)
     assert f32.weights(True) == (f32.raw, kernels.F32)
+
+
+def test_the_layer_stack_gives_the_bits_of_a_call_per_layer(smollm_engine):
+    """`FusedStack` (every fused layer of a pass in one kernel call) against the per-layer calls: the same logits,
+    hidden features, layer subsets, token-tree passes, several sequences in a pass, and cache rows."""
+    from ultrafast.token_tree import TreeLayout
+
+    e = smollm_engine
+    m = e.model
+    stack = m.layer_stack
+    assert stack is not None and stack.covers(range(len(m.layers)))
+    ids = e.tokenizer.encode("def add(a, b):\n    return a + b\n")
+
+    def passes():
+        c, c2 = e.new_cache(), e.new_cache()
+        out = [e.forward(ids, 0, all_logits=True, cache=c),
+               *m.forward(torch.tensor([5, 6]), len(ids), c, all_logits=True, hidden=(2, 15)),
+               m.forward(torch.tensor([7]), len(ids) + 2, c, layers=[0, 1, 2, 5, len(m.layers) - 1]),
+               m.forward(torch.tensor([8, 9, 10, 11]), len(ids) + 3, c, all_logits=True,
+                         tree=TreeLayout([-1, 0, 0, 1], len(ids) + 3)),
+               m.forward_multi(torch.tensor(ids[:3] + ids[:2]), [len(ids) + 3, 0], [3, 2], [c, c2], all_logits=True)]
+        return out + [c.k_layers[3][:, :len(ids) + 7].clone(), c2.v_layers[20][:, :2].clone()]
+
+    try:
+        together = passes()
+        m.layer_stack = None
+        alone = passes()
+    finally:
+        m.layer_stack = stack
+    assert len(together) == len(alone) == 8
+    for a, b in zip(together, alone):
+        assert torch.equal(a, b)
+
+
+def test_a_fused_layer_sees_rebound_bytes(smollm_engine, vnni):
+    """`FusedBlock.weights` keeps its answer only while every linear's bytes are the same tensors: rebinding one
+    is seen on the next call (repacked where the VNNI kernels read their own layout)."""
+    block = smollm_engine.model.layers[0]
+    first = block.weights()
+    assert block.weights() is first  # nothing changed: the kept answer
+    lin = block._lin[3]
+    old = lin.raw
+    try:
+        lin.raw = old.clone()
+        again = block.weights()
+        assert again is not first and again[0][3] is lin.weights(vnni_path())[0]
+        assert torch.equal(again[0][3], first[0][3]) and again[1] == first[1]
+    finally:
+        lin.raw = old
+    assert block.weights()[0][3] is lin.weights(vnni_path())[0]

@@ -138,6 +138,8 @@ class Transformer(nn.Module):
         self.kv_config = c  # what the KV cache holds (tensor parallelism: this rank's heads)
         self.tp = None  # tensor parallelism: this rank's place (tensor_parallel.apply_tp sets it)
         self.mirror = None  # `serve --tp`: rank 0 sends every pass to the other ranks first (tensor_parallel.py)
+        # runs the layers of a pass in one call where it covers them (packed.FusedStack, set by apply_packed)
+        self.layer_stack = None
         self.tok_embeddings = embedding
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
@@ -193,12 +195,18 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         extra = tuple(hidden) if isinstance(hidden, (tuple, list)) else ()
         kept = {}
-        for i in range(len(self.layers)) if layers is None else layers:
-            layer = self.layers[i]
-            segments = [(s, n, c.k_layers[i], c.v_layers[i]) for s, n, c in zip(starts, lens, caches)]
-            x = layer(x, cos, sin, segments) if tree is None else layer(x, cos, sin, segments, tree)
-            if i in extra:
-                kept[i] = x.clone()
+        ids = list(range(len(self.layers)) if layers is None else layers)
+        if self.layer_stack is not None and self.layer_stack.covers(ids):
+            at = [j for j, i in enumerate(ids) if i in extra]
+            x, copies = self.layer_stack(x, cos, sin, starts, lens, caches, ids, at, tree)
+            kept = {ids[j]: t for j, t in zip(at, copies)}
+        else:
+            for i in ids:
+                layer = self.layers[i]
+                segments = [(s, n, c.k_layers[i], c.v_layers[i]) for s, n, c in zip(starts, lens, caches)]
+                x = layer(x, cos, sin, segments) if tree is None else layer(x, cos, sin, segments, tree)
+                if i in extra:
+                    kept[i] = x.clone()
         h = torch.cat([x] + [kept[i] for i in extra], dim=-1) if extra else x
         if not all_logits:
             x = x[-1:] if len(lens) == 1 else x[torch.tensor(lens, device=x.device).cumsum(0) - 1]

@@ -112,17 +112,28 @@ class FusedBlock(nn.Module):
         self.tp = tp  # tensor parallelism (tensor_parallel.py): the layer runs as two halves, all-reduced
         lin = [block.get_submodule(n) for n in self.LINEARS]
         self._lin = lin
+        self._weights_seen = None  # (vnni, the linears' raw tensors, weights()): see weights()
         self.act_bits = lin[0].act_bits
         self.biases = [m.bias for m in lin[:3]] if lin[0].bias is not None else []
+        # the norms' weights and eps, read per pass (plain attributes: a module attribute lookup costs ~1 us)
+        self.norms = (block.attention_norm.weight, block.ffn_norm.weight, block.attention_norm.eps)
         att = block.attention
         self.n_heads, self.n_kv_heads, self.head_dim, self.scale = att.n_heads, att.n_kv_heads, att.head_dim, att.scale
 
-    def weights(self) -> tuple[list[torch.Tensor], list[int]]:
-        """The linears' bytes and type ids for the path in use (`PackedLinear.weights`), read each call, so that
-        rebinding their bytes or changing the path is seen."""
-        vnni = vnni_path()
+    def weights(self, vnni: bool | None = None) -> tuple[list[torch.Tensor], list[int]]:
+        """The linears' bytes and type ids for the path in use (`PackedLinear.weights`; vnni: whether it is the
+        VNNI kernels', asked if not given). Kept from the last call while the path and every linear's `raw` are the
+        same objects (a decode step asks once per layer), so that rebinding their bytes or changing the path is
+        seen."""
+        vnni = vnni_path() if vnni is None else vnni
+        raws = [m.raw for m in self._lin]
+        seen = self._weights_seen
+        if seen is not None and seen[0] == vnni and all(a is b for a, b in zip(seen[1], raws)):
+            return seen[2]
         w = [m.weights(vnni) for m in self._lin]
-        return [b for b, _ in w], [q for _, q in w]
+        out = [b for b, _ in w], [q for _, q in w]
+        self._weights_seen = (vnni, raws, out)
+        return out
 
     @staticmethod
     def fusable(block: nn.Module) -> bool:
@@ -131,20 +142,55 @@ class FusedBlock(nn.Module):
             isinstance(block.attention_norm, KernelRMSNorm) and isinstance(block.ffn_norm, KernelRMSNorm)
 
     def forward(self, x, cos, sin, segments, tree=None):
-        b = self.block
         starts, lens, kcs, vcs = (list(t) for t in zip(*segments))
-
         raws, qtypes = self.weights()
+        attn_norm, ffn_norm, eps = self.norms
 
         def run(x, part):
-            return kernels.decoder_block(x, starts, lens, b.attention_norm.weight, b.ffn_norm.weight,
-                                         b.attention_norm.eps, raws, qtypes, self.biases, kcs, vcs,
-                                         cos, sin, self.n_heads, self.n_kv_heads, self.head_dim, self.scale,
+            return kernels.decoder_block(x, starts, lens, attn_norm, ffn_norm, eps, raws, qtypes, self.biases, kcs,
+                                         vcs, cos, sin, self.n_heads, self.n_kv_heads, self.head_dim, self.scale,
                                          self.act_bits, None if tree is None else tree.kernel_args, part)
         if self.tp is None:
             return run(x, 0)
         h = x + self.tp.all_reduce(run(x, 1))  # the attention half's partial sums, then the residual
         return h + self.tp.all_reduce(run(h, 2))
+
+
+class FusedStack:
+    """A model's fused layers run as one kernel call per pass (`kernels.decoder_stack`: the layers' `decoder_block`
+    calls, in order, without a Python->C++ crossing per layer), for the passes whose layers it covers: all fused,
+    none split for tensor parallelism, all of one shape (biases on all or none, the same heads, eps and activation
+    precision). `Transformer.forward_multi` asks it first."""
+
+    def __init__(self, layers: nn.ModuleList):
+        self.layers = layers
+
+    def covers(self, ids) -> bool:
+        blocks = [self.layers[i] for i in ids]
+        if not blocks or not all(isinstance(b, FusedBlock) and b.tp is None for b in blocks):
+            return False
+        return len({(bool(b.biases), b.act_bits, b.norms[2], b.n_heads, b.n_kv_heads, b.head_dim, b.scale)
+                    for b in blocks}) == 1
+
+    def __call__(self, x, cos, sin, starts, lens, caches, ids, keep, tree=None):
+        """x through layers `ids` (in order) for the sequences' rows (starts, lens, caches as in forward_multi);
+        keep: positions in ids after which x is also returned. Returns (x, kept)."""
+        vnni = vnni_path()
+        blocks = [self.layers[i] for i in ids]
+        an, fn, ws, qts, bs, kcs, vcs = [], [], [], [], [], [], []
+        for i, b in zip(ids, blocks):
+            raws, qtypes = b.weights(vnni)
+            an.append(b.norms[0])
+            fn.append(b.norms[1])
+            ws += raws
+            qts += qtypes
+            bs += b.biases
+            kcs += [c.k_layers[i] for c in caches]
+            vcs += [c.v_layers[i] for c in caches]
+        b0 = blocks[0]
+        return kernels.decoder_stack(x, starts, lens, an, fn, b0.norms[2], ws, qts, bs, kcs, vcs,
+                                     cos, sin, b0.n_heads, b0.n_kv_heads, b0.head_dim, b0.scale, b0.act_bits,
+                                     None if tree is None else tree.kernel_args, keep)
 
 
 def _place_on_hugepages(lins: list[PackedLinear], vnni: bool, release=None) -> None:
@@ -193,6 +239,7 @@ def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16
         for i, block in enumerate(model.layers):
             if FusedBlock.fusable(block):
                 model.layers[i] = FusedBlock(block)
+        model.layer_stack = FusedStack(model.layers)
     return model
 
 

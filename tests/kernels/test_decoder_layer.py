@@ -190,3 +190,48 @@ def test_decoder_block_rejects_bad_input():
                              cos[:1].contiguous(), sin[:1].contiguous(), H, HKV, HD, 1 / math.sqrt(HD), act_bits=8)
     finally:
         uk.set_kernels_path("auto")
+
+
+def test_decoder_stack_gives_the_bits_of_one_call_per_layer(path):  # noqa: F811
+    """decoder_stack: three layers (two sequences) in one call give the output, the kept copies and the cache rows
+    of decoder_block called layer by layer."""
+    layers = [layer_weights(seed=40 + 3 * i) for i in range(3)]
+    cos, sin = rope(64)
+    starts, lens = [6, 20], [2, 3]
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    c, s_ = cos[rows].contiguous(), sin[rows].contiguous()
+    x = torch.randn(sum(lens), D, generator=torch.Generator().manual_seed(12))
+    one = [[fresh_cache(64, 50 + 2 * li + q) for q in range(2)] for li in range(3)]  # [layer][sequence]
+    y, kept = x, []
+    for (raws, _, biases, norms), caches in zip(layers, one):
+        y = uk.decoder_block(y, starts, lens, norms[0], norms[1], EPS, raws, TYPES, biases, [k for k, _ in caches],
+                             [v for _, v in caches], c, s_, H, HKV, HD, 1.0 / math.sqrt(HD))
+        kept.append(y)
+    stack = [[fresh_cache(64, 50 + 2 * li + q) for q in range(2)] for li in range(3)]
+    got, copies = uk.decoder_stack(
+        x, starts, lens, [lw[3][0] for lw in layers], [lw[3][1] for lw in layers], EPS,
+        [r for lw in layers for r in lw[0]], TYPES * 3, [b for lw in layers for b in lw[2]],
+        [k for caches in stack for k, _ in caches], [v for caches in stack for _, v in caches], c, s_, H, HKV, HD,
+        1.0 / math.sqrt(HD), keep=[0, 1])
+    assert torch.equal(got, kept[2]) and len(copies) == 2
+    assert torch.equal(copies[0], kept[0]) and torch.equal(copies[1], kept[1])
+    for a, b in zip(one, stack):
+        for (k1, v1), (k2, v2) in zip(a, b):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert not torch.equal(x, got)  # x itself is not written
+
+
+def test_decoder_stack_rejects_bad_input():
+    raws, _, biases, norms = layer_weights(seed=13)
+    cos, sin = rope(16)
+    x = torch.randn(1, D)
+    kc, vc = fresh_cache(16, 1)
+    args = (x, [0], [1], [norms[0]], [norms[1]], EPS, raws, TYPES, biases)
+    rest = (cos[:1].contiguous(), sin[:1].contiguous(), H, HKV, HD, 1 / math.sqrt(HD))
+    with pytest.raises(ValueError, match="per layer two norms, 7 linears"):
+        uk.decoder_stack(*args, [kc, kc], [vc], *rest)
+    with pytest.raises(ValueError, match="keep position 1 is not one of the 1 layers"):
+        uk.decoder_stack(*args, [kc], [vc], *rest, keep=[1])
+    with pytest.raises(ValueError, match="linear 6 has shape"):
+        uk.decoder_stack(x, [0], [1], [norms[0]], [norms[1]], EPS, raws[:6] + [raws[5]], TYPES, biases, [kc], [vc],
+                         *rest)

@@ -56,7 +56,7 @@ import torch
 __all__ = [
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "SUPPORTED_TYPES",
     "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
-    "avx512_active", "vnni_supported", "set_force_scalar", "KernelBuildError", "decoder_block", "path_in_use", "set_kernels_path",
+    "avx512_active", "vnni_supported", "set_force_scalar", "KernelBuildError", "decoder_block", "decoder_stack", "path_in_use", "set_kernels_path",
     "multiply_peak", "MultiplyPeak", "fma_peak", "Q4_0_R16", "Q4_1_R16", "Q5_0_R16", "Q8_0_R16", "Q4_K_R2", "Q6_K_R16",
     "repack_vnni", "vnni_layout", "sample_row",
 ]
@@ -400,3 +400,18 @@ def decoder_block(x, starts, lens, attn_norm, ffn_norm, eps: float, weights, qty
     return _ext_or_load().decoder_block(x, list(starts), list(lens), attn_norm, ffn_norm, eps, list(weights),
                                         list(qtypes), list(biases), list(k_caches), list(v_caches), cos, sin,
                                         n_heads, n_kv_heads, head_dim, scale, act_bits, keys, extra, part)
+
+
+def decoder_stack(x, starts, lens, attn_norms, ffn_norms, eps: float, weights, qtypes, biases, k_caches, v_caches,
+                  cos, sin, n_heads: int, n_kv_heads: int, head_dim: int, scale: float, act_bits: int = 16,
+                  tree=None, keep=()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Several decoder layers in one call, in the order given: `decoder_block` for each on the residual stream,
+    without a Python->C++ crossing per layer (the same arithmetic, so the same bits). Per layer l: attn_norms[l],
+    ffn_norms[l]; its 7 linears at weights/qtypes[7l:7l + 7]; biases[3l:3l + 3] (or no biases at all); its caches
+    at k_caches/v_caches[l * n_seq:(l + 1) * n_seq], one per sequence. keep: positions in that order after which
+    the stream is also returned. Returns (x after the last layer, [x after each kept position])."""
+    keys, extra = tree if tree is not None else (None, None)
+    return _ext_or_load().decoder_stack(x, list(starts), list(lens), list(attn_norms), list(ffn_norms), eps,
+                                        list(weights), list(qtypes), list(biases), list(k_caches), list(v_caches),
+                                        cos, sin, n_heads, n_kv_heads, head_dim, scale, act_bits, keys, extra,
+                                        list(keep))

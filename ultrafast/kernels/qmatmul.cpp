@@ -221,26 +221,24 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& kc, cons
 // them (continuous batching), attention runs per sequence. Every stage is a per-row computation whose
 // arithmetic does not depend on T, so the layer stays batch-invariant.
 // Linears in `w`: wq, wk, wv, wo, w1 (gate), w3 (up), w2 (down); `bias` holds bq, bk, bv or is empty.
-torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t>& starts,
-                            const std::vector<int64_t>& lens, const torch::Tensor& attn_norm_in,
-                            const torch::Tensor& ffn_norm_in, double eps, const std::vector<torch::Tensor>& w,
-                            const std::vector<int64_t>& qt, const std::vector<torch::Tensor>& bias_in,
-                            const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
-                            const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads,
-                            int64_t hd, double scale, int64_t act_bits, const c10::optional<torch::Tensor>& tree_keys,
-                            const c10::optional<torch::Tensor>& tree_extra, int64_t part) {
-  TORCH_CHECK_VALUE(act_bits == 16 || act_bits == 8, "decoder_block: act_bits must be 16 or 8, got ", act_bits);
-  TORCH_CHECK_VALUE(part >= 0 && part <= 2, "decoder_block: part must be 0 (the layer), 1 (attention) or 2 (ffn)");
+//
+// layer_on: the layer's checks and its run on x (fp32 [T, d], contiguous, the caller's own copy: updated in place by
+// part 0); returns x, or (part 1, 2) this rank's partial sum. kcs, vcs: a cache per sequence. decoder_block runs it
+// once, decoder_stack for each of several layers.
+torch::Tensor layer_on(torch::Tensor& x, const std::vector<int64_t>& starts, const std::vector<int64_t>& lens,
+                       const torch::Tensor& attn_norm_in, const torch::Tensor& ffn_norm_in, double eps,
+                       at::TensorList w, at::IntArrayRef qt, at::TensorList bias_in, at::TensorList kcs,
+                       at::TensorList vcs, const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads,
+                       int64_t n_kv_heads, int64_t hd, double scale, int64_t act_bits,
+                       const c10::optional<torch::Tensor>& tree_keys, const c10::optional<torch::Tensor>& tree_extra,
+                       int64_t part) {
   TORCH_CHECK_VALUE(w.size() == 7 && qt.size() == 7, "decoder_block: expected 7 linears");
   TORCH_CHECK_VALUE(bias_in.empty() || bias_in.size() == 3, "decoder_block: expected 0 or 3 biases");
-  TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32 && x_in.device().is_cpu(),
-                    "decoder_block: x must be fp32 [T, d] on the CPU");
   TORCH_CHECK_VALUE(n_heads >= 1 && n_kv_heads >= 1 && n_heads % n_kv_heads == 0 && hd >= 2 && hd % 2 == 0,
                     "decoder_block: n_heads must be a multiple of n_kv_heads and head_dim even");
   const size_t nseg = starts.size();
   TORCH_CHECK_VALUE(nseg >= 1 && lens.size() == nseg && kcs.size() == nseg && vcs.size() == nseg,
                     "decoder_block: one start, length, k cache and v cache per sequence");
-  auto x = x_in.contiguous().clone();
   const int64_t T = x.size(0), d = x.size(1), nq = n_heads * hd, nkv = n_kv_heads * hd;
   int64_t total = 0;
   for (size_t s = 0; s < nseg; ++s) {
@@ -325,6 +323,69 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
   }
   TORCH_CHECK(decoder_layer(a), "decoder_block: out of memory");
   return part == 0 ? x : out;
+}
+
+torch::Tensor private_rows(const torch::Tensor& x_in) {
+  TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32 && x_in.device().is_cpu(),
+                    "decoder_block: x must be fp32 [T, d] on the CPU");
+  return x_in.contiguous().clone();
+}
+
+void check_mode(int64_t act_bits, int64_t part) {
+  TORCH_CHECK_VALUE(act_bits == 16 || act_bits == 8, "decoder_block: act_bits must be 16 or 8, got ", act_bits);
+  TORCH_CHECK_VALUE(part >= 0 && part <= 2, "decoder_block: part must be 0 (the layer), 1 (attention) or 2 (ffn)");
+}
+
+torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t>& starts,
+                            const std::vector<int64_t>& lens, const torch::Tensor& attn_norm,
+                            const torch::Tensor& ffn_norm, double eps, const std::vector<torch::Tensor>& w,
+                            const std::vector<int64_t>& qt, const std::vector<torch::Tensor>& bias,
+                            const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
+                            const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads,
+                            int64_t hd, double scale, int64_t act_bits, const c10::optional<torch::Tensor>& tree_keys,
+                            const c10::optional<torch::Tensor>& tree_extra, int64_t part) {
+  check_mode(act_bits, part);
+  torch::Tensor x = private_rows(x_in);
+  return layer_on(x, starts, lens, attn_norm, ffn_norm, eps, w, qt, bias, kcs, vcs, cos, sin, n_heads, n_kv_heads, hd,
+                  scale, act_bits, tree_keys, tree_extra, part);
+}
+
+// Several decoder layers in one call, in the order given (a model's, or a subset of it): what decoder_block does
+// for each, on one private copy of x, without a Python->C++ crossing per layer. The per-layer arguments come as
+// flat lists, layer l's at: norms [l], w and qt [7l, 7l + 7), bias [3l, 3l + 3) (or none at all), caches
+// [l * nseg, (l + 1) * nseg). keep: positions in that order after which x is also returned (a copy), for the
+// readers of hidden states. Returns x after the last layer and the kept copies.
+std::tuple<torch::Tensor, std::vector<torch::Tensor>> decoder_stack(
+    const torch::Tensor& x_in, const std::vector<int64_t>& starts, const std::vector<int64_t>& lens,
+    const std::vector<torch::Tensor>& attn_norms, const std::vector<torch::Tensor>& ffn_norms, double eps,
+    const std::vector<torch::Tensor>& w, const std::vector<int64_t>& qt, const std::vector<torch::Tensor>& bias,
+    const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs, const torch::Tensor& cos,
+    const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads, int64_t hd, double scale, int64_t act_bits,
+    const c10::optional<torch::Tensor>& tree_keys, const c10::optional<torch::Tensor>& tree_extra,
+    const std::vector<int64_t>& keep) {
+  check_mode(act_bits, 0);
+  const size_t L = attn_norms.size(), nseg = starts.size();
+  TORCH_CHECK_VALUE(L >= 1 && ffn_norms.size() == L && w.size() == 7 * L && qt.size() == 7 * L &&
+                        (bias.empty() || bias.size() == 3 * L) && nseg >= 1 && kcs.size() == L * nseg &&
+                        vcs.size() == L * nseg,
+                    "decoder_stack: per layer two norms, 7 linears, 0 or 3 biases and a k and v cache per sequence");
+  std::vector<bool> kept_after(L, false);
+  for (int64_t i : keep) {
+    TORCH_CHECK_VALUE(i >= 0 && i < (int64_t)L, "decoder_stack: keep position ", i, " is not one of the ", L,
+                      " layers");
+    kept_after[(size_t)i] = true;
+  }
+  torch::Tensor x = private_rows(x_in);
+  std::vector<torch::Tensor> kept;
+  const at::TensorList W(w), B(bias), KC(kcs), VC(vcs);
+  const at::IntArrayRef Q(qt);
+  for (size_t l = 0; l < L; ++l) {
+    layer_on(x, starts, lens, attn_norms[l], ffn_norms[l], eps, W.slice(7 * l, 7), Q.slice(7 * l, 7),
+             bias.empty() ? B : B.slice(3 * l, 3), KC.slice(l * nseg, nseg), VC.slice(l * nseg, nseg), cos, sin,
+             n_heads, n_kv_heads, hd, scale, act_bits, tree_keys, tree_extra, 0);
+    if (kept_after[l]) kept.push_back(x.clone());
+  }
+  return {x, kept};
 }
 
 // 12 * iters * threads units per second when `threads` threads each run `chains(iters)` together, the best of
@@ -429,6 +490,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("act_bits") = 16,
         py::arg("tree_keys") = py::none(), py::arg("tree_extra") = py::none(), py::arg("part") = 0,
         py::call_guard<py::gil_scoped_release>());
+  m.def("decoder_stack", &ultrafast::decoder_stack, "several decoder layers in one call", py::arg("x"),
+        py::arg("starts"), py::arg("lens"), py::arg("attn_norms"), py::arg("ffn_norms"), py::arg("eps"), py::arg("w"),
+        py::arg("qt"), py::arg("bias"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"), py::arg("sin"),
+        py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("act_bits"),
+        py::arg("tree_keys"), py::arg("tree_extra"), py::arg("keep"), py::call_guard<py::gil_scoped_release>());
   m.def("avx512_supported", &ultrafast::avx512_usable, "whether this CPU can run the AVX-512 path");
   m.def("avx512_active", &ultrafast::avx512_in_use, "whether the AVX-512 path is in use");
   m.def("set_force_scalar", &ultrafast::force_scalar, "force the portable scalar path (testing)");
