@@ -56,7 +56,7 @@ import torch
 __all__ = [
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "SUPPORTED_TYPES",
     "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
-    "avx512_active", "vnni_supported", "set_force_scalar", "KernelBuildError", "decoder_block", "decoder_stack", "path_in_use", "set_kernels_path",
+    "avx512_active", "vnni_supported", "set_force_scalar", "KernelBuildError", "decoder_block", "decoder_stack", "silu_mul", "path_in_use", "set_kernels_path",
     "multiply_peak", "MultiplyPeak", "fma_peak", "Q4_0_R16", "Q4_1_R16", "Q5_0_R16", "Q8_0_R16", "Q4_K_R2", "Q6_K_R16",
     "repack_vnni", "vnni_layout", "sample_row",
 ]
@@ -79,7 +79,8 @@ Q4_0_R16, Q4_1_R16, Q5_0_R16, Q8_0_R16, Q4_K_R2, Q6_K_R16 = 102, 103, 106, 108, 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ["qmatmul.cpp", "kernel_variant.cpp", "decoder_layer.cpp", "scalar.cpp", "qmatmul_avx512.cpp",
             "qmatmul_avx2.cpp", "qmatmul_vnni.cpp", "sampling.cpp"]
-_HEADERS = ["kernel_variant.h", "qmatmul_kernels.h", "qmatmul_fp32.h", "attention_simd.h", "decoder_layer.h",
+_HEADERS = ["kernel_variant.h", "qmatmul_kernels.h", "qmatmul_fp32.h", "attention_simd.h", "activation_simd.h",
+            "exp_simd.h", "decoder_layer.h",
             "row_ops.h", "scratch.h"]
 # No -march=native: the baseline unit must run anywhere (the AVX-512 unit enables its ISA with a
 # target pragma and is only entered after a runtime CPU check), so a shared build cache stays safe.
@@ -365,6 +366,18 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if nd == 0:
         raise ValueError("x must be [k, d], got a scalar")
     return ext.rmsnorm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up elementwise, fp32, with the op the fused decoder layer uses under the path in force.
+
+    Each element's result depends only on its own gate and up values (batch-invariant).
+    """
+    ext = _ext_or_load()
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor):
+            raise _not_tensor(name, t)
+    return ext.silu_mul(gate, up)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: int,

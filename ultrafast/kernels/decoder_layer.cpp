@@ -246,10 +246,7 @@ bool decoder_layer(const LayerArgs& a) {
     {
       int64_t e0, e1;
       split(T * f, n, t, &e0, &e1);
-      for (int64_t i = e0; i < e1; ++i) {
-        const float z = g[i];
-        g[i] = z / (1.0f + std::exp(-z)) * u[i];
-      }
+      if (e0 < e1) a.silu_mul(g + e0, u + e0, e1 - e0);
     }
 #pragma omp barrier
     prep(a.ops[6], a.qt[6], g, T, f, xgp(6), n, t, a.x8);

@@ -16,6 +16,7 @@ struct LayerArgs {
   int qt[7];
   const LinearOps* ops[7];  // each linear's kernel variant (kernel_variant.h)
   AttentionOp attn;
+  GatedActOp silu_mul;  // g = silu(g) * up
   const float *bq, *bk, *bv;  // or null
   int64_t nseg;
   const int64_t *starts, *lens;

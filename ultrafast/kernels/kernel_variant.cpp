@@ -85,4 +85,11 @@ AttentionOp attention_op(int64_t hd) {
   return attn_group_scalar;
 }
 
+GatedActOp silu_mul_op() {
+  const LinearOps* f = fp32_ops();
+  if (f == &kAvx512) return silu_mul_avx512;
+  if (f == &kAvx2) return silu_mul_avx2;
+  return silu_mul_scalar;
+}
+
 }  // namespace ultrafast

@@ -36,6 +36,10 @@ struct LinearOps {
 using AttentionOp = void (*)(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd,
                              float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra);
 
+// g[i] = silu(g[i]) * u[i] for i < n: the feed-forward's gated activation; each element's result depends only
+// on (g[i], u[i]).
+using GatedActOp = void (*)(float* g, const float* u, int64_t n);
+
 // The path requested for the process: auto (the fastest this CPU runs), fp32 (quantized types stay on the
 // fp32 kernels: AVX-512, else AVX2), avx2 (the AVX2 kernels even where AVX-512 exists) or scalar.
 // force_scalar is kept apart for tests that toggle it alone.
@@ -49,5 +53,6 @@ bool avx512_in_use();       // the AVX-512 kernels (fp32 linears, attention) are
 // type is unknown, or x8 is asked of a path without int8 activations.
 const LinearOps* linear_ops(int qt, bool x8);
 AttentionOp attention_op(int64_t hd);
+GatedActOp silu_mul_op();
 
 }  // namespace ultrafast

@@ -125,6 +125,22 @@ torch::Tensor rmsnorm(const torch::Tensor& x_in, const torch::Tensor& w_in, doub
   return y;
 }
 
+// silu(gate) * up, elementwise, with the op the decoder layer uses under the path in force.
+torch::Tensor silu_mul(const torch::Tensor& g_in, const torch::Tensor& u_in) {
+  TORCH_CHECK_VALUE(g_in.device().is_cpu() && u_in.device().is_cpu(), "silu_mul: tensors must be on the CPU");
+  TORCH_CHECK_VALUE(g_in.scalar_type() == torch::kFloat32 && u_in.scalar_type() == torch::kFloat32,
+                    "silu_mul: gate and up must be float32, got ", g_in.scalar_type(), " and ", u_in.scalar_type());
+  TORCH_CHECK_VALUE(g_in.sizes() == u_in.sizes(), "silu_mul: gate ", g_in.sizes(), " and up ", u_in.sizes(),
+                    " differ in shape");
+  torch::Tensor g = g_in.contiguous().clone();
+  const torch::Tensor u = u_in.contiguous();
+  const GatedActOp op = silu_mul_op();
+  float* gp = g.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  at::parallel_for(0, g.numel(), 16384, [&](int64_t i0, int64_t i1) { op(gp + i0, up + i0, i1 - i0); });
+  return g;
+}
+
 // A token tree's key lists (see LayerArgs): keys [T, 2] int64 (prefix length, number of listed rows) and the
 // listed rows, int32, row after row; checked against the cache length. Returns each row's offset into them.
 std::vector<int64_t> tree_offsets(const torch::Tensor& keys, const torch::Tensor& extra, int64_t T, int64_t maxlen,
@@ -299,6 +315,7 @@ torch::Tensor layer_on(torch::Tensor& x, const std::vector<int64_t>& starts, con
     vs0[s] = vcs[s].stride(0);
   }
   a.attn = attention_op(hd);
+  a.silu_mul = silu_mul_op();
   a.T = T, a.d = d, a.f = f, a.n_heads = n_heads, a.n_kv_heads = n_kv_heads, a.hd = hd;
   a.eps = (float)eps, a.scale = (float)scale;
   a.x = x.data_ptr<float>();
@@ -480,6 +497,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the type id of the VNNI kernels' layout of qtype, -1 if none", py::arg("qtype"));
   m.def("rmsnorm", &ultrafast::rmsnorm, "row-wise RMSNorm", py::arg("x"), py::arg("weight"), py::arg("eps"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &ultrafast::silu_mul, "silu(gate) * up, elementwise (the decoder layer's op)", py::arg("gate"),
+        py::arg("up"), py::call_guard<py::gil_scoped_release>());
   m.def("attention", &ultrafast::attention, "causal GQA attention over a KV cache", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("start_pos"), py::arg("scale"), py::arg("tree_keys") = py::none(),
         py::arg("tree_extra") = py::none(), py::call_guard<py::gil_scoped_release>());

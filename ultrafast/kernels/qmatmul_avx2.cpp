@@ -29,6 +29,7 @@
 
 #include <immintrin.h>
 
+#include "activation_simd.h"
 #include "attention_simd.h"
 #include "qmatmul_fp32.h"
 
@@ -320,7 +321,7 @@ struct KDirect : LDirect<D::BYTES, D::UNIT, D::UNIT_BYTES> {
 constexpr int RMAX = 2;  // activation rows per chunk: two rows' accumulators beside 8 decoded weight vectors
 
 
-// The 8-lane vector of the attention (attention_simd.h).
+// The 8-lane vector of the attention (attention_simd.h) and the gated activation (activation_simd.h).
 struct V256 {
   using F = __m256;
   static constexpr int W = 8, HEADS = 3;
@@ -339,6 +340,10 @@ struct V256 {
   static UF_INLINE F add(F a, F b) { return _mm256_add_ps(a, b); }
   static UF_INLINE F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static UF_INLINE F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static UF_INLINE F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static UF_INLINE F select_nonneg(F z, F a, F b) {
+    return _mm256_blendv_ps(b, a, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GE_OQ));
+  }
   static UF_INLINE float reduce_max(F v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -395,6 +400,8 @@ void attn_group_avx2(const float* q, int G, const float* kc, const float* vc, in
   attention_group<V256>(q, G, kc, vc, L, hd, scale, scores, lds, out, P, extra);
 }
 
+void silu_mul_avx2(float* g, const float* u, int64_t n) { silu_mul<V256>(g, u, n); }
+
 int64_t avx2_fma_chains(int64_t n) {
   __m256 a[12];
 #pragma GCC unroll 12
@@ -434,6 +441,7 @@ bool qmm_rows_avx2(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_
 }
 void attn_group_avx2(const float*, int, const float*, const float*, int64_t, int64_t, float, float*, int64_t, float*,
                      int64_t, const int32_t*) {}
+void silu_mul_avx2(float*, const float*, int64_t) {}
 int64_t avx2_fma_chains(int64_t) { return 0; }
 }  // namespace ultrafast
 

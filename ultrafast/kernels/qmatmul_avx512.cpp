@@ -42,6 +42,7 @@
 
 #include <immintrin.h>
 
+#include "activation_simd.h"
 #include "attention_simd.h"
 #include "qmatmul_fp32.h"
 
@@ -391,7 +392,7 @@ struct KDirect : LDirect<D::BYTES, D::UNIT, D::UNIT_BYTES> {
 
 constexpr int RMAX = 4;  // activation rows per chunk: 4 rows' accumulators and x' loads fit the 32 registers
 
-// The 16-lane vector of the attention (attention_simd.h).
+// The 16-lane vector of the attention (attention_simd.h) and the gated activation (activation_simd.h).
 struct V512 {
   using F = __m512;
   static constexpr int W = 16, HEADS = 6;
@@ -408,6 +409,10 @@ struct V512 {
   static UF_INLINE F add(F a, F b) { return _mm512_add_ps(a, b); }
   static UF_INLINE F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static UF_INLINE F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static UF_INLINE F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static UF_INLINE F select_nonneg(F z, F a, F b) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
+  }
   static UF_INLINE float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
   static UF_INLINE float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
 
@@ -460,6 +465,8 @@ void attn_group_avx512(const float* q, int G, const float* kc, const float* vc, 
   attention_group<V512>(q, G, kc, vc, L, hd, scale, scores, lds, out, P, extra);
 }
 
+void silu_mul_avx512(float* g, const float* u, int64_t n) { silu_mul<V512>(g, u, n); }
+
 bool avx512_usable() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -488,6 +495,7 @@ bool qmm_rows_avx512(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int6
 }
 void attn_group_avx512(const float*, int, const float*, const float*, int64_t, int64_t, float, float*, int64_t, float*,
                        int64_t, const int32_t*) {}
+void silu_mul_avx512(float*, const float*, int64_t) {}
 }  // namespace ultrafast
 
 #endif

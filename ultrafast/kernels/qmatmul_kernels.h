@@ -63,6 +63,8 @@ bool qmm_rows_scalar(int qtype, const uint8_t* xg, int64_t k, int64_t K, const u
                      int64_t ldy, int64_t n0, int64_t n1, bool x8);
 void attn_group_scalar(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t head_dim,
                        float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra);
+// g[i] = silu(g[i]) * u[i] for i < n (libm's exp)
+void silu_mul_scalar(float* g, const float* u, int64_t n);
 
 // ---- AVX-512 fp32 path (qmatmul_avx512.cpp): every type.
 // True when this CPU can run the AVX-512 kernels (F, BW, VL, DQ + FMA/F16C), checked at runtime.
@@ -89,6 +91,8 @@ bool qmm_rows_avx512(int qtype, const uint8_t* xg, int64_t k, int64_t K, const u
 // keys are contiguous or listed, for the same key sequence.
 void attn_group_avx512(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t head_dim,
                        float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra);
+// g[i] = silu(g[i]) * u[i] for i < n, 16 lanes at a time (activation_simd.h)
+void silu_mul_avx512(float* g, const float* u, int64_t n);
 
 // ---- AVX2 fp32 path (qmatmul_avx2.cpp): every type, the AVX-512 fp32 path's scheme in 8-lane registers,
 // for CPUs without AVX-512. The same contract as qmm_rows_avx512 (not the same bits).
@@ -104,6 +108,8 @@ int64_t avx2_fma_chains(int64_t n);
 // attn_group_avx512's contract, for head_dim % 8 == 0.
 void attn_group_avx2(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t head_dim,
                      float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra);
+// silu_mul_avx512's contract, 8 lanes at a time
+void silu_mul_avx2(float* g, const float* u, int64_t n);
 
 // ---- AVX512-VNNI integer path (qmatmul_vnni.cpp): int16 activations (per 32-block scale; x8: int8, as
 // llama.cpp), exact integer dot products with the file's quantized weights. Types Q4_0, Q4_1, Q5_0, Q8_0,

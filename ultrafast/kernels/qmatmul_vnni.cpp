@@ -598,9 +598,16 @@ constexpr int R2_MAX = 16;
 // 128-value product against 10.7 for the K-panelled schedule used before; k = 24 (750 KB) 9.2 against 10.7.
 constexpr int64_t WHOLE_ROWS_X = 768 * 1024;
 // With one weight row a tile every weight row re-reads all rows' x, which must then stay in L1: that tile only where a
-// chunk's x fits 3/4 of the L1 data cache (l1_bytes(): 32 KB on Zen 4, 48 KB on Zen 5 and recent Xeons), and whole
-// rows while all of x fits there, else the weight-tiled schedule. Measured on Zen 4, Q4_K 8960 x 1536 repacked, 2 threads,
-// int16, k = 10 / 16: 2.01 / 2.65 ns per 128-value product with whole rows at any size, 1.70 / 1.64 with this bound.
+// chunk's x fits the L1 data cache (l1_bytes(): 32 KB on Zen 4, 48 KB on Zen 5 and recent Xeons) less L1_WEIGHT_ROOM,
+// and whole rows while all of x fits there, else the weight-tiled schedule. Measured on Zen 4, Q4_K 8960 x 1536
+// repacked, 2 threads, int16, k = 10 / 16: 2.01 / 2.65 ns per 128-value product with whole rows at any size, 1.70 /
+// 1.64 with a bound of 3/4 of L1.
+// What L1 keeps beside the chunk's x: the weight rows passing through (the group being decoded, PF_NEAR ahead). With 3/4
+// of a 32 KB L1 (8 KB) instead, the 1.5B's LM head (Q6_K, 151936 x 1536, int8 x of 2688 bytes a row: 9 rows fit, not
+// 10) took 13.3 ms at k = 10 (two chunks of 5 rows, each decoding every weight row) against 11.9 with 4 KB (one chunk);
+// 2 KB the same as 4; the other shapes and k unchanged (`python -m ultrafast.benchmarks.kernel_shapes --ks
+// 8,10,12,14,16 --activation-bits 8`, AMD EPYC with 32 KB L1, 2026-12-05).
+constexpr int64_t L1_WEIGHT_ROOM = 4 * 1024;
 int64_t l1_bytes() {
   static const int64_t bytes = [] {
     const long got = sysconf(_SC_LEVEL1_DCACHE_SIZE);
@@ -676,6 +683,10 @@ UF_INLINE void dot_step(const __m512i (&W)[NW][NV], int v, __m512i xv, __m512i* 
 }
 
 // n: the blocks of a TAIL_MASKED group (a row's last, if partial; 16: whole); unread by the other types.
+// The loops over the R activation rows unroll up to R2_MAX: unrolled only partly, acc[w * R + r] is indexed at run
+// time and lives in memory. With 8 (before), Q4_K's one-row tile at R = 10 / 11 took 0.73 / 0.80 ms on the 1.5B's gate
+// projection (8960 x 1536, int8) against 0.71 at R = 12; unrolled fully 0.59 / 0.64 (`python -m
+// ultrafast.benchmarks.kernel_shapes --activation-bits 8`).
 template <class T, int NW, int R, bool X8>
 UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t ldx, __m512* acc, int n = 16) {
   using X = XGN<T::NVEC, X8>;
@@ -688,7 +699,7 @@ UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t l
     __m512 dvec[NW], mvec[NW];
 #pragma GCC unroll 4
     for (int w = 0; w < NW; ++w) T::decode(p + w * rb, g, ctx[w], W[w], dvec[w], mvec[w]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const X* xr = reinterpret_cast<const X*>(xg + r * ldx) + g;
       __m512i ia[NW], il[NW];  // the chains of x's high bytes and of its low bytes
@@ -714,7 +725,7 @@ UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t l
     }
   }
   if constexpr (T::MINS < 0) {  // after the last group
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 xsf = reinterpret_cast<const X*>(xg + r * ldx)->xsf;
 #pragma GCC unroll 4
@@ -773,7 +784,7 @@ __attribute__((noinline)) void run(const uint8_t* __restrict wr, int64_t rb, int
   }
 #pragma GCC unroll 4
   for (int w = 0; w < NW; ++w)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       y[r * ldy + w] = _mm512_reduce_add_ps(acc[w * R + r]);
     }
@@ -852,13 +863,13 @@ static inline int64_t rows_per_chunk(int64_t k, int64_t most) {
 
 // The tile and schedule for k activation rows (the tile never changes an output's arithmetic): the layouts of
 // OneRowTiles take one weight row x up to R2_MAX activation rows when k > R_MAX and chunks of more than R_MAX rows
-// keep their x within 3/4 of L1 (the rest for the weight rows passing through; whole rows while all of x fits there);
+// keep their x within L1 less L1_WEIGHT_ROOM (whole rows while all of x fits there);
 // every other case NW_MAX x TileRows, whole rows up to 2 * R_MAX activation rows or WHOLE_ROWS_X bytes of x.
 template <class T, bool X8>
 bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
           int64_t ldy, int64_t n0, int64_t n1) {
   if constexpr (OneRowTiles<T, X8>::value) {
-    const int64_t room = 3 * l1_bytes() / 4, fit = ldx > 0 ? room / ldx : 0;  // rows whose x fits 3/4 of L1 together
+    const int64_t room = l1_bytes() - L1_WEIGHT_ROOM, fit = ldx > 0 ? room / ldx : 0;  // rows whose x fits together
     if (k > R_MAX && fit > R_MAX) {
       const int64_t per = rows_per_chunk(k, fit < R2_MAX ? fit : R2_MAX);
       if (per > R_MAX)

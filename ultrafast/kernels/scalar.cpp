@@ -227,4 +227,11 @@ void attn_group_scalar(const float* q, int G, const float* kc, const float* vc, 
   for (int g = 0; g < G; ++g) attn_one_scalar(q + g * hd, kc, vc, L, hd, scale, scores, out + g * hd, P, extra);
 }
 
+void silu_mul_scalar(float* g, const float* u, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float z = g[i];
+    g[i] = z / (1.0f + std::exp(-z)) * u[i];
+  }
+}
+
 }  // namespace ultrafast
