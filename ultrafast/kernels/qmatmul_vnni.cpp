@@ -109,31 +109,35 @@ constexpr float XQMAX8 = 127.0f;
 template <bool X8>
 UF_INLINE float quant32(const float* x, int16_t* q, int32_t* sum) {
   constexpr float TOP = X8 ? XQMAX8 : XQMAX;
-  float mx = 0.0f;
-  bool bad = false;
-  for (int i = 0; i < 32; ++i) {
-    const float a = __builtin_fabsf(x[i]);
-    bad |= !(a <= __FLT_MAX__);
-    mx = a > mx ? a : mx;
-  }
-  if (bad) {
-    for (int i = 0; i < 32; ++i) q[i] = 0;
+  // Two vectors of 16 lanes; each operation is the scalar rule's, lane by lane (max is exact in any order,
+  // the division IEEE's, roundscale to nearest even is rintf's), so the bits are those of a loop over the 32.
+  // The loop (a divss an element) made a prepared row cost 0.87-1.12 ns a value, ten rows of 8960 (a verify pass's
+  // down projection input) 78-100 us on one thread; this 0.39-0.60 (qmatmul of 10 rows against 2 weight rows).
+  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+  const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+  const __m512 fmax = _mm512_set1_ps(__FLT_MAX__);
+  const __mmask16 ok0 = _mm512_cmp_ps_mask(a0, fmax, _CMP_LE_OQ), ok1 = _mm512_cmp_ps_mask(a1, fmax, _CMP_LE_OQ);
+  if ((ok0 & ok1) != 0xFFFF) {  // a NaN or an infinity
+    _mm512_storeu_si512(q, _mm512_setzero_si512());
     *sum = 0;
     return __builtin_nanf("");
   }
+  const float mx = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
   const float s = mx / TOP;
-  int32_t t = 0;
-  for (int i = 0; i < 32; ++i) {
-    int v = 0;
-    if (s > 0.0f) {
-      float f = __builtin_rintf(x[i] / s);
-      f = f > TOP ? TOP : (f < -TOP ? -TOP : f);
-      v = (int)f;
-    }
-    q[i] = (int16_t)v;
-    t += v;
+  if (!(s > 0.0f)) {
+    _mm512_storeu_si512(q, _mm512_setzero_si512());
+    *sum = 0;
+    return s;
   }
-  *sum = t;
+  const __m512 sv = _mm512_set1_ps(s), hi = _mm512_set1_ps(TOP), lo = _mm512_set1_ps(-TOP);
+  const auto one = [&](__m512 xv) {
+    const __m512 f = _mm512_roundscale_ps(_mm512_div_ps(xv, sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_cvttps_epi32(_mm512_max_ps(_mm512_min_ps(f, hi), lo));
+  };
+  const __m512i v0 = one(x0), v1 = one(x1);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(v0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtepi32_epi16(v1));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
   return s;
 }
 
