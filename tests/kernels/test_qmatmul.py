@@ -580,7 +580,7 @@ def test_repacked_same_values(vnni, qtype, act_bits):
 
 
 @pytest.mark.parametrize("act_bits", [16, 8])
-# the rows' x within 3/4 of L1 (tiles of one weight row x up to 16 rows; Q6_K's only with int8 x) or not (2 x 4,
+# the rows' x within L1 less 4 KB (tiles of one weight row x up to 16 rows; Q6_K's only with int8 x) or not (2 x 4,
 # Q6_K's 2 x 8);
 # 4864: Q4_K's 19 super-blocks, the last in the file's layout, Q5_0's 152 blocks, a last group of 8; 576: Q4_1's 18
 # blocks, a last group of 2

@@ -591,7 +591,7 @@ constexpr int NW_MAX = 2, R_MAX = 4;
 // kernels (random Q4_K, 2 threads, weights from memory; time against the file's layout), 8960 x 1536, int8, k = 1 /
 // 4 / 10 / 16: 2 x 4 tile 0.80 / 0.87 / 0.83 / 0.87, 1 x 8 tile 0.88 / 0.92 / 0.74 / 0.72; 1536 x 8960 (x 21 KB a
 // row): 2 x 4 0.71 / 0.80 / 0.80 / 0.78, 1 x 8 0.81 / 1.11 / 1.05 / 1.06. Up to 16 rows a tile (16 accumulators and
-// the 8 weight vectors stay in registers) where their x fits 3/4 of L1: on a 48 KB L1 (Intel Xeon, 2026-12-05) the
+// the 8 weight vectors stay in registers) where their x fits L1 (then 3/4 of it): on a 48 KB L1 (Intel Xeon) the
 // 1.5B's r(k) at int8 (`ultrafast bench --activation-bits 8`, alternated with 8 rows a tile and a fixed 32 KB bound)
 // fell 2-12% at k = 5..15 (r(9) 1.90-2.02 against 2.14-2.21: one chunk instead of two; r(12) 2.40-2.44 against
 // 2.61-2.72), r(16) within noise; at int16 unchanged but r(9).
