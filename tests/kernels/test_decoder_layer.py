@@ -143,6 +143,31 @@ def test_decoder_block_no_bias_one_thread_same_bits(path):  # noqa: F811
     assert np.isfinite(outs[0][0].numpy()).all()
 
 
+@pytest.mark.parametrize("starts,lens", [([40], [1]), ([40], [5]), ([9, 0, 30], [2, 4, 1])])
+def test_attention_task_split_never_changes_bits(path, starts, lens):  # noqa: F811
+    """How attention's work is cut into tasks (kv heads, runs of heads, rows; per thread count) changes what each
+    thread reads, never a row's bits: 1, 2 and 3 threads give the same outputs and cache rows, for one row, several
+    rows of one sequence and several sequences."""
+    raws, _, biases, norms = layer_weights(seed=6)
+    cos, sin = rope(64)
+    x = torch.randn(sum(lens), D, generator=torch.Generator().manual_seed(8))
+    outs = []
+    for threads in (1, 2, 3):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            caches = [fresh_cache(64, 30 + i) for i in range(len(starts))]
+            y = run_layer(x, starts, lens, [c[0] for c in caches], [c[1] for c in caches], raws, biases, norms,
+                          cos, sin)
+            outs.append((y, caches))
+        finally:
+            torch.set_num_threads(old)
+    for y, caches in outs[1:]:
+        assert torch.equal(y, outs[0][0])
+        for (kc, vc), (k0, v0) in zip(caches, outs[0][1]):
+            assert torch.equal(kc, k0) and torch.equal(vc, v0)
+
+
 def test_decoder_block_float_linears_and_odd_head_dim(path):  # noqa: F811
     """The fused layer takes any mix of weight types (F16/F32 linears beside quantized ones) and a head_dim
     that is not a multiple of 16 (the attention op then is the portable one)."""

@@ -104,10 +104,14 @@ bool decoder_layer(const LayerArgs& a) {
     const int64_t K = i == 3 ? nq : (i == 6 ? f : d);
     xgb[i] = src[i] == i ? T * a.ops[i]->prep_bytes(a.qt[i], K, a.x8) : 0;
   }
-  // attention tasks: (segment row, kv head, run of gh heads of its group)
+  // attention tasks: (kv head, run of gh heads of its group, segment row), the rows fastest, so that a thread's
+  // tasks read one kv head's keys and values row after row (from L2 after the first row) instead of two kv heads'
+  // in turn. A run of heads reads its kv head's cache once for all of them, so heads are split into runs (which
+  // read the cache once each) only while the tasks would leave threads idle or unevenly loaded.
   const int64_t group = a.n_heads / a.n_kv_heads;
   int64_t gh = group < 6 ? group : 6;
-  while (gh > 1 && T * a.n_kv_heads * ((group + gh - 1) / gh) < 2 * nt) gh = (gh + 1) / 2;
+  auto ntasks = [&](int64_t g) { return T * a.n_kv_heads * ((group + g - 1) / g); };
+  while (gh > 1 && ntasks(gh) % nt != 0 && ntasks(gh) < 4 * nt) gh = (gh + 1) / 2;
   const int64_t nsub = (group + gh - 1) / gh;
   int64_t maxlen = 0;
   std::vector<int64_t> seg_of((size_t)T), pos_of((size_t)T);
@@ -203,8 +207,7 @@ bool decoder_layer(const LayerArgs& a) {
       split(T * a.n_kv_heads * nsub, n, t, &t0, &t1);
       float* sc = scores + (size_t)t * gh * lds;
       for (int64_t task = t0; task < t1; ++task) {
-        const int64_t i = task / (a.n_kv_heads * nsub), rem = task % (a.n_kv_heads * nsub);
-        const int64_t kvh = rem / nsub, sub = rem % nsub;
+        const int64_t i = task % T, kvh = task / (T * nsub), sub = task / T % nsub;
         const int64_t h0 = kvh * group + sub * gh;
         const int64_t hn = gh < (kvh + 1) * group - h0 ? gh : (kvh + 1) * group - h0;
         const int64_t s_ = seg_of[i];
