@@ -16,4 +16,7 @@ def test_agentbench_json_and_picture(smollm_path, tmp_path):
     assert len(r["iterations"]) == 2 and r["identical"] is True
     assert all(it["standard_tok_s"] > 0 and it["tau"] >= 1.0 for it in r["iterations"])
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "agent loop, ultrafast" in p.stderr  # the progress bar
+    assert "agent loop" in p.stderr  # the progress bar
+    # edit by edit, each tier in turn
+    notes = [line.split()[0] for line in p.stderr.splitlines() if " iteration " in line]
+    assert notes == ["standard", "ultrafast", "standard", "ultrafast"], notes
