@@ -204,7 +204,7 @@ bool decoder_layer(const LayerArgs& a) {
     // 3. attention: each row attends to its own sequence's cache up to its position
     {
       int64_t t0, t1;
-      split(T * a.n_kv_heads * nsub, n, t, &t0, &t1);
+      split(ntasks(gh), n, t, &t0, &t1);
       float* sc = scores + (size_t)t * gh * lds;
       for (int64_t task = t0; task < t1; ++task) {
         const int64_t i = task % T, kvh = task / (T * nsub), sub = task / T % nsub;

@@ -293,16 +293,22 @@ struct KQ4K {
       st.xsf[2 * m] = sb[b] * (float)sum[b];
     }
   }
+  // Per 128-bit lane, a super-block's header as 32-bit words dm, s0, s1, s2 -> its 6-bit scales and mins as bytes
+  // sc0..7, m0..7 (ggml's get_scale_min_k4, 4 at a time): sc0..3 = s0 & 63, m0..3 = s1 & 63, sc4..7 = (s2 & 15) |
+  // (s0 >> 6) << 4, m4..7 = (s2 >> 4) | (s1 >> 6) << 4. One header (KQ4K) or two side by side (KQ4K2).
+  static UF_INLINE __m256i scale_min_bytes(__m256i S) {
+    __m256i A = _mm256_shuffle_epi32(S, _MM_SHUFFLE(3, 2, 3, 1));  // s0, s2, s1, s2
+    A = _mm256_and_si256(_mm256_srlv_epi32(A, _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4)),
+                         _mm256_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
+                                           0x3f3f3f3f, 0x0f0f0f0f));
+    const __m256i B = _mm256_and_si256(_mm256_srli_epi32(_mm256_shuffle_epi32(S, _MM_SHUFFLE(2, 2, 1, 1)), 2),
+                                       _mm256_setr_epi32(0, 0x30303030, 0, 0x30303030, 0, 0x30303030, 0,
+                                                         0x30303030));  // s0, s0, s1, s1
+    return _mm256_or_si256(A, B);
+  }
   static UF_INLINE __m512 scales(const uint8_t* p) {
-    // the 12 bytes of 6-bit scales/mins as 32-bit words s0, s1, s2 (ggml's get_scale_min_k4, 4 at a time):
-    //   sc0..3 = s0 & 63, m0..3 = s1 & 63, sc4..7 = (s2 & 15) | (s0 >> 6) << 4, m4..7 = (s2 >> 4) | (s1 >> 6) << 4
-    const __m128i S = load128(p + 4);
-    __m128i A = _mm_shuffle_epi32(S, _MM_SHUFFLE(2, 1, 2, 0));  // s0, s2, s1, s2
-    A = _mm_and_si128(_mm_srlv_epi32(A, _mm_setr_epi32(0, 0, 0, 4)),
-                      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-    const __m128i B = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(S, _MM_SHUFFLE(1, 1, 0, 0)), 2),
-                                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));  // s0, s0, s1, s1
-    const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(A, B)));
+    const __m128i sm8 = _mm256_castsi256_si128(scale_min_bytes(_mm256_zextsi128_si256(load128(p))));
+    const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm8));
     const int hd2 = (int)rd32(p);
     const __m512 dd = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                             _mm512_zextps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(hd2))));
@@ -352,24 +358,17 @@ struct KQ4K2 {
   struct Ctx {
     __m512 d, m;
   };
-  // The two headers' 6-bit scales and mins unpacked together, one super-block per 128-bit lane (KQ4K::scales' steps
-  // on 256 bits), then d * sc and dmin * m on the group's 16 lanes: the same products as KQ4K::scales' (the same
-  // bits), with half its unpacking ops and without the two permutes that joined two super-blocks' results. At
+  // The two headers' 6-bit scales and mins unpacked together, one super-block per 128-bit lane
+  // (KQ4K::scale_min_bytes), then d * sc and dmin * m on the group's 16 lanes: the same products as two KQ4K::scales
+  // calls (the same bits), with half their unpacking ops and without the two permutes that joined their results. At
   // small tiles this decode is a large share of a weight row's work: `python -m ultrafast.benchmarks.kernel_shapes
   // --ks 2,4,10 --reps 20 --activation-bits 8` on the 1.5B (AMD EPYC, 2 threads), alternated with two
   // KQ4K::scales calls: the gate projection (8960 x 1536) 0.245 / 0.245 ms against 0.278 / 0.269 at k = 4, 0.556 /
   // 0.547 against 0.593 / 0.578 at k = 10; wq (1536 x 1536) 0.046 / 0.047 against 0.049 / 0.057 at k = 4.
   static UF_INLINE Ctx context(const uint8_t* p, int) {
     const __m256i S = load256(p);  // per 128-bit lane (super-block) the words dm, s0, s1, s2
-    __m256i A = _mm256_shuffle_epi32(S, _MM_SHUFFLE(3, 2, 3, 1));  // s0, s2, s1, s2
-    A = _mm256_and_si256(_mm256_srlv_epi32(A, _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4)),
-                         _mm256_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
-                                           0x3f3f3f3f, 0x0f0f0f0f));
-    const __m256i B = _mm256_and_si256(_mm256_srli_epi32(_mm256_shuffle_epi32(S, _MM_SHUFFLE(2, 2, 1, 1)), 2),
-                                       _mm256_setr_epi32(0, 0x30303030, 0, 0x30303030, 0, 0x30303030, 0,
-                                                         0x30303030));  // s0, s0, s1, s1
     // per lane sc0..7, m0..7 as bytes; 64-bit pieces reordered to [sc of both, m of both]
-    const __m256i sm = _mm256_permute4x64_epi64(_mm256_or_si256(A, B), _MM_SHUFFLE(3, 1, 2, 0));
+    const __m256i sm = _mm256_permute4x64_epi64(KQ4K::scale_min_bytes(S), _MM_SHUFFLE(3, 1, 2, 0));
     const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(sm)));
     const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(sm, 1)));
     // d, dmin of each super-block: [dA, dminA, dB, dminB]
