@@ -207,6 +207,7 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
             "macs_per_token": macs, "macs_per_token_prefill": macs_prefill,
             "physical_r_k": {k: physical(k) / physical(1) for k in ours.r_k},
             "arithmetic_macs_per_s": arith,
+            "fma_cost_in_vpdpbusd": peak.fma_cost if peak is not None else None,
             "arithmetic_r_k": {k: physical(k, arith) / physical(1, arith) for k in ours.r_k} if arith else None,
             "pct_of_peak_k": {k: 100 * k * macs / ours.forward_s[k] / rate for k in ours.r_k},
             "pct_of_peak_prefill": 100 * ours.prefill_tokens_per_s * macs_prefill / rate,
@@ -272,6 +273,10 @@ def format_table(r: dict) -> str:
             lines.append(f"the kernels' arithmetic alone (their instructions per product, register operands, no weight "
                          f"decode): {mp['arithmetic_macs_per_s'] / 1e9:.0f} G MAC/s = "
                          f"{100 * mp['arithmetic_macs_per_s'] / mp['macs_per_s']:.0f}% of the peak")
+        if mp.get("fma_cost_in_vpdpbusd") is not None:
+            lines.append(f"an fp32 FMA beside vpdpbusd takes {mp['fma_cost_in_vpdpbusd']:.2f} of a vpdpbusd's slot "
+                         f"(1: they share the multiply pipes; the kernels' fp32 step is a scale multiply and an fma per "
+                         f"4-8 vpdpbusd)")
     lines.append("")
     ks = sorted(us["r_k"], key=int)
     lines.append("r(k) = time(k-token forward) / time(1-token forward)")

@@ -243,6 +243,10 @@ class MultiplyPeak:
     # register operands, 12 groups in flight), by activation bits: the ceiling of the numerics, below the bare
     # multiply peak where the fp32 step shares the multiply units (Zen 4)
     products_per_s: dict[int, float]
+    # vpdpbusd slots one fp32 FMA (or multiply) takes beside them: ~1 where they share the multiply pipes (Zen 4, whose
+    # 512-bit FMAs and vpdpbusd both run on its two 256-bit multiply pipes), ~0 where they do not; with the kernels'
+    # 2 fp32 multiplies per 4-8 vpdpbusd it is why products_per_s stays below the bare peak
+    fma_cost: float = 0.0
 
     def arithmetic_macs_per_s(self, act_bits: int) -> float:
         if act_bits not in (8, 16):
@@ -275,7 +279,8 @@ def multiply_peak(threads: int | None = None, iters: int = 10_000_000, reps: int
         return None
     # a product is 6-10 instructions where a chain step is one: a tenth of the iterations takes as long
     products = {bits: float(ext.vnni_product_peak(threads, max(1, int(iters) // 10), int(reps), bits)) for bits in (16, 8)}
-    return MultiplyPeak(threads, rate, products)
+    fma_cost = float(ext.vnni_fma_cost(threads, max(1, int(iters) // 4), int(reps)))
+    return MultiplyPeak(threads, rate, products, fma_cost)
 
 
 def fma_peak(threads: int | None = None, iters: int = 10_000_000, reps: int = 3) -> float | None:

@@ -440,6 +440,17 @@ double vnni_product_peak(int64_t threads, int64_t iters, int64_t reps, int64_t a
   return 2.0 * best_rate(threads, iters, reps, [x8](int64_t n) { return vnni_product_chains(n, x8); });
 }
 
+// vpdpbusd slots one fp32 FMA takes beside them on `threads` threads (best of `reps` runs of `iters` loops each with
+// and without 6 FMAs per 12 vpdpbusd; see vnni_fma_beside): ~1 where the FMAs share the multiply pipes, ~0 where
+// not. 0 without VNNI.
+double vnni_fma_cost(int64_t threads, int64_t iters, int64_t reps) {
+  TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "vnni_fma_cost: threads, iters and reps must be >= 1");
+  if (!(avx512_usable() && vnni_usable())) return 0.0;
+  const double bare = best_rate(threads, iters, reps, [](int64_t n) { return vnni_fma_beside(n, false); });
+  const double with = best_rate(threads, iters, reps, [](int64_t n) { return vnni_fma_beside(n, true); });
+  return std::max(0.0, (bare / with - 1.0) * 12.0 / 6.0);
+}
+
 // 8-lane fp32 FMA instructions per second that `threads` threads sustain together (best of `reps` runs of `iters`
 // iterations of 12 independent chains each): the multiply limit of the AVX2 fp32 kernels. 0 without AVX2.
 double avx2_fma_peak(int64_t threads, int64_t iters, int64_t reps) {
@@ -530,6 +541,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni_product_peak", &ultrafast::vnni_product_peak,
         "128-value products per second with the kernels' arithmetic on `threads` threads (0: no VNNI)",
         py::arg("threads"), py::arg("iters"), py::arg("reps"), py::arg("act_bits"), py::call_guard<py::gil_scoped_release>());
+  m.def("vnni_fma_cost", &ultrafast::vnni_fma_cost,
+        "vpdpbusd slots one fp32 FMA takes beside them on `threads` threads (0: no VNNI)", py::arg("threads"),
+        py::arg("iters"), py::arg("reps"), py::call_guard<py::gil_scoped_release>());
   m.def("block_info", [](int64_t qtype) {
     ultrafast::TypeInfo ti;
     TORCH_CHECK_VALUE(ultrafast::type_info((int)qtype, &ti), "unsupported GGML type id ", qtype);

@@ -1044,7 +1044,11 @@ int64_t product_chains(int64_t n) {
   for (int64_t it = 0; it < n; ++it) {
 #pragma GCC unroll 12
     for (int i = 0; i < 12; ++i) {
-      __asm__ volatile("" : "+v"(x[0]), "+v"(w[0]));  // each group's operands are new: nothing is shared or hoisted
+      // each group's operands are new: nothing is shared or hoisted. d and s too: with them fixed (s = 1) the compiler
+      // folded and hoisted the scale multiply (d_w * s) out of the loop (48 vpdpbusd, 12 fma, no vmulps at int8), and
+      // the probe read 80% of the peak where the kernels' instructions, which multiply per product, reach ~66% (on
+      // Zen 4 fp32 multiplies and fmas take vpdpbusd's pipes, a vpdpbusd slot each: vnni_fma_beside)
+      __asm__ volatile("" : "+v"(x[0]), "+v"(w[0]), "+v"(d), "+v"(s));
       // kblock's arithmetic of one K-quant group of 256 values (two 128-value products; register operands, no
       // loads, no weight decode): the high and low bytes' chains, joined, then one fp step
       __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[0]);
@@ -1065,6 +1069,43 @@ int64_t product_chains(int64_t n) {
 }
 
 int64_t vnni_product_chains(int64_t n, bool x8) { return x8 ? product_chains<true>(n) : product_chains<false>(n); }
+
+// What an fp32 FMA costs beside vpdpbusd: `n` loops of 12 independent vpdpbusd, and with `fma` also 6 independent fp32
+// FMAs (on zeros: no denormals), written in assembly so that the compiler can neither hoist nor spill them. Where the
+// two share the multiply pipes (Zen 4: each FMA takes one vpdpbusd slot) the loop with FMAs takes 1.5x as long; where
+// they do not, about as long. This is what bounds the kernels' arithmetic (vnni_product_chains) below the bare peak:
+// their fp32 step (a scale multiply and an fma, Q4_K's mins one more) per 4-8 vpdpbusd.
+#define UF_Z(r) "vpxord %%zmm" #r ", %%zmm" #r ", %%zmm" #r "\n\t"
+#define UF_DP(i) "vpdpbusd %%zmm30, %%zmm31, %%zmm" #i "\n\t"
+#define UF_FMA(i) "vfmadd231ps %%zmm28, %%zmm29, %%zmm" #i "\n\t"
+#define UF_ZEROS \
+  UF_Z(0) UF_Z(1) UF_Z(2) UF_Z(3) UF_Z(4) UF_Z(5) UF_Z(6) UF_Z(7) UF_Z(8) UF_Z(9) UF_Z(10) UF_Z(11) UF_Z(12) UF_Z(13) \
+  UF_Z(14) UF_Z(15) UF_Z(16) UF_Z(17) UF_Z(28) UF_Z(29) UF_Z(30) UF_Z(31)
+#define UF_CLOBBERS                                                                                                \
+  "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", \
+      "xmm14", "xmm15", "xmm16", "xmm17", "xmm28", "xmm29", "xmm30", "xmm31", "cc"
+int64_t vnni_fma_beside(int64_t n, bool fma) {
+  if (n <= 0) return 0;
+  if (fma)
+    __asm__ volatile(UF_ZEROS "1:\n\t" UF_DP(0) UF_DP(1) UF_FMA(12) UF_DP(2) UF_DP(3) UF_FMA(13) UF_DP(4) UF_DP(5)
+                         UF_FMA(14) UF_DP(6) UF_DP(7) UF_FMA(15) UF_DP(8) UF_DP(9) UF_FMA(16) UF_DP(10) UF_DP(11)
+                             UF_FMA(17) "dec %0\n\tjnz 1b"
+                     : "+r"(n)
+                     :
+                     : UF_CLOBBERS);
+  else
+    __asm__ volatile(UF_ZEROS "1:\n\t" UF_DP(0) UF_DP(1) UF_DP(2) UF_DP(3) UF_DP(4) UF_DP(5) UF_DP(6) UF_DP(7)
+                         UF_DP(8) UF_DP(9) UF_DP(10) UF_DP(11) "dec %0\n\tjnz 1b"
+                     : "+r"(n)
+                     :
+                     : UF_CLOBBERS);
+  return n;
+}
+#undef UF_Z
+#undef UF_DP
+#undef UF_FMA
+#undef UF_ZEROS
+#undef UF_CLOBBERS
 
 }  // namespace ultrafast
 
@@ -1088,6 +1129,7 @@ bool qmm_rows_vnni(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_
 }
 int64_t vnni_dpbusd_chains(int64_t) { return 0; }
 int64_t vnni_product_chains(int64_t, bool) { return 0; }
+int64_t vnni_fma_beside(int64_t, bool) { return 0; }
 }  // namespace ultrafast
 
 #endif
