@@ -246,7 +246,7 @@ class MultiplyPeak:
     # vpdpbusd slots one fp32 FMA (or multiply) takes beside them: ~1 where they share the multiply pipes (Zen 4, whose
     # 512-bit FMAs and vpdpbusd both run on its two 256-bit multiply pipes), ~0 where they do not; with the kernels'
     # 2 fp32 multiplies per 4-8 vpdpbusd it is why products_per_s stays below the bare peak
-    fma_cost: float = 0.0
+    fma_cost: float
 
     def arithmetic_macs_per_s(self, act_bits: int) -> float:
         if act_bits not in (8, 16):

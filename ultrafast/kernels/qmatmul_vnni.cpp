@@ -1074,7 +1074,8 @@ int64_t vnni_product_chains(int64_t n, bool x8) { return x8 ? product_chains<tru
 // FMAs (on zeros: no denormals), written in assembly so that the compiler can neither hoist nor spill them. Where the
 // two share the multiply pipes (Zen 4: each FMA takes one vpdpbusd slot) the loop with FMAs takes 1.5x as long; where
 // they do not, about as long. This is what bounds the kernels' arithmetic (vnni_product_chains) below the bare peak:
-// their fp32 step (a scale multiply and an fma, Q4_K's mins one more) per 4-8 vpdpbusd.
+// their fp32 step (a scale multiply and an fma, Q4_K's mins one more) per 4-8 vpdpbusd. The bare loop is not
+// vnni_dpbusd_chains' on purpose: the ratio needs both loops of one shape, the FMAs the only difference.
 #define UF_Z(r) "vpxord %%zmm" #r ", %%zmm" #r ", %%zmm" #r "\n\t"
 #define UF_DP(i) "vpdpbusd %%zmm30, %%zmm31, %%zmm" #i "\n\t"
 #define UF_FMA(i) "vfmadd231ps %%zmm28, %%zmm29, %%zmm" #i "\n\t"
