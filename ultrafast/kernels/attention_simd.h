@@ -12,6 +12,7 @@
 //   fnmadd(a, b, c) = c - a * b (fused);  round(v) to the nearest integer;  scale2n(p, n) = p * 2^n (n integral,
 //   n >= -126);  reduce_max(v);  reduce_add(v) (one fixed order)
 //   transpose_reduce(a): lane t = a fixed-tree sum of the W lanes of a[t], no lane reaching another output
+//   SCORE_HEADS, SCORE_KEYS: pass 1's tile of heads x keys (SCORE_KEYS divides W; 1 head: a head's W keys at a time)
 //
 // The three passes (scores, softmax, values) run in a fixed order that depends only on the head's query, the
 // L keys/values and L, so a head's result is the same whatever G is, and the same bits whether its keys are
@@ -66,6 +67,49 @@ inline void attn_pv_heads(int gc, const float* vc, int64_t L, int64_t hd, const 
   attn_pv_chunk<V, NV, G>(vc, L, hd, sc, lds, v0, inv, out, P, ex);
 }
 
+// Pass 1's partial sums for GT heads (queries q + g * hd) and the KT keys kb + (t0 + t) * hd, t < KT: part[g][t0 + t]
+// (one vector each; transpose_reduce later sums its lanes). Each is the chain of fmas over the nv dimension vectors in
+// order, as when a head's 16 keys are scored alone, but every key vector is loaded once for the GT heads: head by head
+// the loop loaded a key vector for every fma, and the load ports, not the FMA units, set pass 1's pace (on Zen 4 it
+// took about twice pass 3's time for as many fmas).
+template <class V, int GT, int KT>
+inline __attribute__((always_inline)) void score_tile(const float* q, const float* kb, int64_t nv, int64_t hd, typename V::F (*part)[V::W],
+                          int t0) {
+  using F = typename V::F;
+  constexpr int W = V::W;
+  F acc[GT][KT];
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 16
+    for (int t = 0; t < KT; ++t) acc[g][t] = V::zero();
+  for (int64_t v = 0; v < nv; ++v) {
+    F qv[GT];
+#pragma GCC unroll 4
+    for (int g = 0; g < GT; ++g) qv[g] = V::load(q + g * hd + W * v);
+#pragma GCC unroll 16
+    for (int t = 0; t < KT; ++t) {
+      F kv = V::load(kb + (t0 + t) * hd + W * v);
+      if constexpr (GT > 1) __asm__("" : "+v"(kv));  // in a register: left alone, the compiler folds the load into each fma
+#pragma GCC unroll 4
+      for (int g = 0; g < GT; ++g) acc[g][t] = V::fma(qv[g], kv, acc[g][t]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 16
+    for (int t = 0; t < KT; ++t) part[g][t0 + t] = acc[g][t];
+}
+
+// score_tile for gt <= V::SCORE_HEADS heads.
+template <class V, int GT = V::SCORE_HEADS>
+inline __attribute__((always_inline)) void score_heads(int gt, const float* q, const float* kb, int64_t nv, int64_t hd,
+                           typename V::F (*part)[V::W], int t0) {
+  if constexpr (GT > 1) {
+    if (gt < GT) return score_heads<V, GT - 1>(gt, q, kb, nv, hd, part, t0);
+  }
+  score_tile<V, GT, V::SCORE_KEYS>(q, kb, nv, hd, part, t0);
+}
+
 template <class V>
 void attention_group(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd, float scale,
                      float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra) {
@@ -88,6 +132,16 @@ void attention_group(const float* q, int G, const float* kc, const float* vc, in
         __builtin_memcpy(tb + t * hd, kc + jr * hd, sizeof(float) * (size_t)hd);
       }
       kb = tb;
+    }
+    if (V::SCORE_HEADS > 1 && cnt == W) {  // a whole block: tiles of heads x keys (score_tile)
+      for (int g0 = 0; g0 < G; g0 += V::SCORE_HEADS) {
+        const int gt = G - g0 < V::SCORE_HEADS ? G - g0 : V::SCORE_HEADS;
+        F part[V::SCORE_HEADS][W];
+        for (int t0 = 0; t0 < W; t0 += V::SCORE_KEYS) score_heads<V>(gt, q + g0 * hd, kb, nv, hd, part, t0);
+        for (int g = 0; g < gt; ++g)
+          V::store_first(scores + (g0 + g) * lds + j0, V::mul(V::transpose_reduce(part[g]), V::set1(scale)), cnt);
+      }
+      continue;
     }
     for (int g = 0; g < G; ++g) {
       const float* qg = q + g * hd;

@@ -325,6 +325,7 @@ constexpr int RMAX = 2;  // activation rows per chunk: two rows' accumulators be
 struct V256 {
   using F = __m256;
   static constexpr int W = 8, HEADS = 3;
+  static constexpr int SCORE_HEADS = 1, SCORE_KEYS = 8;  // pass 1 head by head (16 registers)
   static UF_INLINE F zero() { return _mm256_setzero_ps(); }
   static UF_INLINE F set1(float x) { return _mm256_set1_ps(x); }
   static UF_INLINE F load(const float* p) { return _mm256_loadu_ps(p); }

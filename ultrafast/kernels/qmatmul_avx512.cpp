@@ -396,6 +396,7 @@ constexpr int RMAX = 4;  // activation rows per chunk: 4 rows' accumulators and 
 struct V512 {
   using F = __m512;
   static constexpr int W = 16, HEADS = 6;
+  static constexpr int SCORE_HEADS = 3, SCORE_KEYS = 8;  // pass 1's tile: 24 accumulators, 3 queries, a key
   static UF_INLINE F zero() { return _mm512_setzero_ps(); }
   static UF_INLINE F set1(float x) { return _mm512_set1_ps(x); }
   static UF_INLINE F load(const float* p) { return _mm512_loadu_ps(p); }
