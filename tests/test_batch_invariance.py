@@ -103,3 +103,21 @@ def test_several_sequences_in_one_pass_equal_each_alone(smollm_engine):
     batched = e.forward_batch([(s, len(p), c) for s, p, c in zip(steps, prompts, caches)])
     alone = torch.cat([e.forward(s, len(p), cache=c) for s, p, c in zip(steps, prompts, caches)])
     assert torch.equal(batched, alone)
+
+
+def test_siblings_sharing_their_prompt_rows_get_the_bits_of_their_own(smollm_engine):
+    """Best-of-n candidates of one prompt: a pass told that they hold the same prompt rows (`share`) reads those
+    once, and gives each the logits of reading its own."""
+    e = smollm_engine
+    prompt = list(range(40, 90))
+    caches = [e.new_cache() for _ in range(3)]
+    e.forward(prompt, 0, cache=caches[0])
+    for c in caches[1:]:
+        c.copy_prefix_from(caches[0], len(prompt) - 1)
+        e.forward(prompt[-1:], len(prompt) - 1, cache=c)
+    for i, c in enumerate(caches):  # each its own continuation
+        e.forward([200 + 7 * i + t for t in range(5 + i)], len(prompt), cache=c)
+    seqs = [([300 + i], len(prompt) + 5 + i, c) for i, c in enumerate(caches)]
+    alone = e.forward_batch(seqs)
+    shared = e.forward_batch(seqs, share=[None, (0, len(prompt) - 1), (0, len(prompt) - 1)])
+    assert torch.equal(shared, alone)

@@ -171,13 +171,16 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward_multi(self, tokens: torch.Tensor, starts: list[int], lens: list[int], caches: list[KVCache],
-                      all_logits: bool = False, layers: list[int] | None = None, hidden: bool = False, tree=None):
+                      all_logits: bool = False, layers: list[int] | None = None, hidden: bool = False, tree=None,
+                      share=None):
         """Several sequences in one pass (continuous batching): tokens holds lens[s] rows of sequence s at
         positions starts[s].., each with its own cache. Returns logits of every row (all_logits) or of each
         sequence's last row [n_sequences, vocab]. Rows never influence each other's values. hidden: also the
         last layer's output for every row, before the final norm (what a draft head reads): (logits, h [T, dim]);
         a tuple of layer indices instead of True appends those layers' outputs to each row (EAGLE-3's low and
-        middle features): h [T, (1 + len(hidden)) * dim], the last layer's first."""
+        middle features): h [T, (1 + len(hidden)) * dim], the last layer's first. share: per sequence None or (j, m):
+        sequence j's cache holds the same first m rows (best-of-n siblings' prompt), below both starts; the fused
+        layers' attention then reads them from one cache for both (the same values, so the same bits)."""
         if self.mirror is not None:
             self.mirror.forward(tokens, starts, lens, caches, all_logits, layers, hidden, tree)
         # [T, D], once per pass for every layer; a table, so a position's values never depend on the batch
@@ -198,7 +201,7 @@ class Transformer(nn.Module):
         ids = list(range(len(self.layers)) if layers is None else layers)
         if self.layer_stack is not None and self.layer_stack.covers(ids):
             at = [j for j, i in enumerate(ids) if i in extra]
-            x, copies = self.layer_stack(x, cos, sin, starts, lens, caches, ids, at, tree)
+            x, copies = self.layer_stack(x, cos, sin, starts, lens, caches, ids, at, tree, share)
             kept = {ids[j]: t for j, t in zip(at, copies)}
         else:
             for i in ids:

@@ -174,9 +174,10 @@ class FusedStack:
         return len({(bool(b.biases), b.act_bits, b.norms[2], b.n_heads, b.n_kv_heads, b.head_dim, b.scale)
                     for b in blocks}) == 1
 
-    def __call__(self, x, cos, sin, starts, lens, caches, ids, keep, tree=None):
+    def __call__(self, x, cos, sin, starts, lens, caches, ids, keep, tree=None, share=None):
         """x through layers `ids` (in order) for the sequences' rows (starts, lens, caches as in forward_multi);
-        keep: positions in ids after which x is also returned. Returns (x, kept)."""
+        keep: positions in ids after which x is also returned; share: rows the sequences' caches hold alike
+        (`kernels.decoder_block`). Returns (x, kept)."""
         vnni = vnni_path()
         layers = list(self.layers)
         blocks = [layers[i] for i in ids]
@@ -193,7 +194,7 @@ class FusedStack:
         b0 = blocks[0]
         return kernels.decoder_stack(x, starts, lens, an, fn, b0.norms[2], ws, qts, bs, kcs, vcs,
                                      cos, sin, b0.n_heads, b0.n_kv_heads, b0.head_dim, b0.scale, b0.act_bits,
-                                     None if tree is None else tree.kernel_args, keep)
+                                     None if tree is None else tree.kernel_args, keep, share)
 
 
 def _place_on_hugepages(lins: list[PackedLinear], vnni: bool, release=None) -> None:

@@ -126,6 +126,58 @@ def test_decoder_block_sequences_do_not_interact(path):  # noqa: F811
         row += n
 
 
+@pytest.mark.parametrize("m", [16, 21])
+def test_decoder_block_shared_rows_same_bits(path, m):  # noqa: F811
+    """Sequences told that another's cache holds their first m rows (best-of-n siblings' prompt) get the bits of
+    reading their own; on the vector paths those rows are then read from the source: the sharers' own copies can
+    hold anything."""
+    raws, _, biases, norms = layer_weights(seed=7)
+    cos, sin = rope(64)
+    starts, lens = [30, 25, 40], [1, 2, 1]
+    x = torch.randn(sum(lens), D, generator=torch.Generator().manual_seed(4))
+
+    def caches(poison: bool):
+        cs = [fresh_cache(64, 60 + i) for i in range(3)]
+        for kc, vc in cs[1:]:  # the same first m rows as sequence 0 (a copied prompt), other rows after them
+            kc[:, :m], vc[:, :m] = cs[0][0][:, :m], cs[0][1][:, :m]
+            if poison:
+                kc[:, :m], vc[:, :m] = float("nan"), float("nan")
+        return cs
+
+    def run(cs, share=None):
+        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        return uk.decoder_block(x, starts, lens, norms[0], norms[1], EPS, raws, TYPES, biases, [c[0] for c in cs],
+                                [c[1] for c in cs], cos[rows].contiguous(), sin[rows].contiguous(), H, HKV, HD,
+                                1.0 / math.sqrt(HD), share=share)
+
+    own, shared = caches(False), caches(False)
+    want = run(own)
+    assert torch.equal(run(shared, [None, (0, m), (0, m)]), want)
+    for (k1, v1), (k2, v2) in zip(own, shared):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    if path != "scalar":  # (the scalar path reads each sequence's own rows)
+        assert torch.equal(run(caches(True), [None, (0, m), (0, m)]), want)
+        assert torch.isnan(run(caches(True))[1:]).all()
+
+
+def test_decoder_block_rejects_bad_share():
+    raws, _, biases, norms = layer_weights(seed=11)
+    cos, sin = rope(16)
+    x = torch.randn(2, D)
+    (k0, v0), (k1, v1) = fresh_cache(16, 1), fresh_cache(16, 2)
+
+    def run(share):
+        return uk.decoder_block(x, [4, 6], [1, 1], norms[0], norms[1], EPS, raws, TYPES, biases, [k0, k1], [v0, v1],
+                                cos[4:6].contiguous(), sin[4:6].contiguous(), H, HKV, HD, 1 / math.sqrt(HD),
+                                share=share)
+    with pytest.raises(ValueError, match="sequence 1 cannot share 5 rows with sequence 0"):
+        run([None, (0, 5)])  # past sequence 0's start: this pass writes row 4 there
+    with pytest.raises(ValueError, match="sequence 0 cannot share 2 rows with sequence 2"):
+        run([(2, 2), None])
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        run([None])
+
+
 def test_decoder_block_no_bias_one_thread_same_bits(path):  # noqa: F811
     raws, _, _, norms = layer_weights(seed=5)
     cos, sin = rope(32)

@@ -25,7 +25,7 @@ from ultrafast.server.ledger import LedgerRow, LedgerWriter
 from ultrafast.server.metrics import ServerMetrics
 from ultrafast.server.pricing import PriceTable
 from ultrafast.server.rate_limit import RateLimiter
-from ultrafast.server.scheduler import GenRequest, ModelWorker
+from ultrafast.server.scheduler import GenRequest, ModelWorker, _shared_prompts
 
 # ------------------------------------------------------------------------------------ pricing
 
@@ -629,7 +629,7 @@ class BatchingEngine(FakeEngine):
     def start(self, prompt, params, tier="standard", cache=None):
         return FakeGeneration(self, prompt, params, tier, cache)
 
-    def forward_batch(self, seqs, hidden=False):
+    def forward_batch(self, seqs, hidden=False, share=None):
         self.batches.append(len(seqs))
         return torch.zeros(len(seqs), 4)
 
@@ -660,9 +660,9 @@ def test_ultrafast_candidates_with_a_draft_head_decode_together(tmp_path, tiny_h
     calls, fed = [], []
     forward_batch = engine.forward_batch
 
-    def spy(seqs, hidden=False):
+    def spy(seqs, hidden=False, share=None):
         calls.append(hidden)
-        return forward_batch(seqs, hidden=hidden)
+        return forward_batch(seqs, hidden=hidden, share=share)
 
     engine.forward_batch = spy
     w, _ = _worker(tmp_path, engine, slots=3, weight=2)
@@ -799,3 +799,16 @@ def test_sqlite_ledger_is_created_owner_only(tmp_path):
         if p.exists():
             assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
     assert path.exists()
+
+
+def test_batched_pass_shares_only_a_request_prompt_rows():
+    """Candidates of one prompt of one request share its rows (but the last, which each computes); another
+    request's candidate with the same prompt does not (its slot's rows are its own to change)."""
+    from types import SimpleNamespace as NS
+    r1, r2 = object(), object()
+    p = list(range(20))
+    cands = [NS(req=r1, group=0, prompt_ids=p), NS(req=r2, group=0, prompt_ids=p), NS(req=r1, group=0, prompt_ids=p),
+             NS(req=r1, group=1, prompt_ids=p[:5]), NS(req=r1, group=1, prompt_ids=p[:5])]
+    inputs = [([1], 25, None), ([1], 20, None), ([1], 31, None), ([1], 5, None), ([1], 9, None)]
+    assert _shared_prompts(cands, inputs) == [None, None, (0, 19), None, (3, 4)]
+    assert _shared_prompts(cands[:2], inputs[:2]) is None

@@ -404,7 +404,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
 
 def decoder_block(x, starts, lens, attn_norm, ffn_norm, eps: float, weights, qtypes, biases, k_caches, v_caches,
                   cos, sin, n_heads: int, n_kv_heads: int, head_dim: int, scale: float,
-                  act_bits: int = 16, tree=None, part: int = 0) -> torch.Tensor:
+                  act_bits: int = 16, tree=None, part: int = 0, share=None) -> torch.Tensor:
     """One whole decoder layer in one call (see qmatmul.cpp): returns the new residual stream [T, d].
 
     The T rows are segments of one or more sequences: lens[s] rows at positions starts[s].., whose new keys
@@ -413,23 +413,41 @@ def decoder_block(x, starts, lens, attn_norm, ffn_norm, eps: float, weights, qty
     cos/sin: [T, head_dim] RoPE rows of the rows' positions. Batch-invariant like the rest.
     tree: a token tree's key lists for one sequence (`TreeLayout.kernel_args`, see `attention`).
     part (tensor parallelism's all-reduce points): 1 runs the attention half and returns wo's output, 2 runs the
-    feed-forward half on x and returns down's output (each this rank's partial sum; x is not changed)."""
+    feed-forward half on x and returns down's output (each this rank's partial sum; x is not changed).
+    share: per sequence s, None or (j, m): sequence j's caches hold the same first m rows as s's (its sibling
+    best-of-n candidate, the prompt), m at most both starts; attention then reads them from j's for both (once for
+    the batch). The same bits either way."""
     keys, extra = tree if tree is not None else (None, None)
     return _ext_or_load().decoder_block(x, list(starts), list(lens), attn_norm, ffn_norm, eps, list(weights),
                                         list(qtypes), list(biases), list(k_caches), list(v_caches), cos, sin,
-                                        n_heads, n_kv_heads, head_dim, scale, act_bits, keys, extra, part)
+                                        n_heads, n_kv_heads, head_dim, scale, act_bits, keys, extra, part,
+                                        _share_pairs(share, len(starts)))
+
+
+def _share_pairs(share, n_seq: int) -> list[int]:
+    """`share` (None, or per sequence None or (source sequence, rows)) as the kernels' flat list."""
+    if share is None:
+        return []
+    if len(share) != n_seq:
+        raise ValueError(f"share needs one entry per sequence ({n_seq}), got {len(share)}")
+    out = []
+    for s in share:
+        j, m = (-1, 0) if s is None else s
+        out += [int(j), int(m)]
+    return out
 
 
 def decoder_stack(x, starts, lens, attn_norms, ffn_norms, eps: float, weights, qtypes, biases, k_caches, v_caches,
                   cos, sin, n_heads: int, n_kv_heads: int, head_dim: int, scale: float, act_bits: int = 16,
-                  tree=None, keep=()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                  tree=None, keep=(), share=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Several decoder layers in one call, in the order given: `decoder_block` for each on the residual stream,
     without a Python->C++ crossing per layer (the same arithmetic, so the same bits). Per layer l: attn_norms[l],
     ffn_norms[l]; its 7 linears at weights/qtypes[7l:7l + 7]; biases[3l:3l + 3] (or no biases at all); its caches
     at k_caches/v_caches[l * n_seq:(l + 1) * n_seq], one per sequence. keep: positions in that order after which
-    the stream is also returned. Returns (x after the last layer, [x after each kept position])."""
+    the stream is also returned. share: as `decoder_block`'s, for every layer. Returns (x after the last layer,
+    [x after each kept position])."""
     keys, extra = tree if tree is not None else (None, None)
     return _ext_or_load().decoder_stack(x, list(starts), list(lens), list(attn_norms), list(ffn_norms), eps,
                                         list(weights), list(qtypes), list(biases), list(k_caches), list(v_caches),
                                         cos, sin, n_heads, n_kv_heads, head_dim, scale, act_bits, keys, extra,
-                                        list(keep))
+                                        list(keep), _share_pairs(share, len(starts)))

@@ -26,22 +26,25 @@ namespace ultrafast {
 namespace {
 
 // out[g] = inv[g] * sum_j p[g][j] * v_j over dims [W*v0, W*(v0+NV)) for G <= V::HEADS heads (NV <= 4). Value
-// rows: j < P are rows j, later ones rows extra[j - P] (the same accumulation order either way).
+// rows: j < P are rows j, later ones rows extra[j - P] (the same accumulation order either way); a row r < P0 is
+// read from vc0 (a sibling sequence's cache holding the same row) instead of vc.
 template <class V, int NV, int G>
 __attribute__((noinline)) void attn_pv_chunk(const float* vc, int64_t L, int64_t hd, const float* sc, int64_t lds,
-                                             int v0, const float* inv, float* out, int64_t P, const int32_t* extra) {
+                                             int v0, const float* inv, float* out, int64_t P, const int32_t* extra,
+                                             const float* vc0, int64_t P0) {
   using F = typename V::F;
   F o[G][NV];
 #pragma GCC unroll 6
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) o[g][v] = V::zero();
-  const float* vb = vc + V::W * v0;
+  const float *vb = vc + V::W * v0, *vb0 = vc0 + V::W * v0;
   for (int64_t j = 0; j < L; ++j) {
     F vv[NV];
     const int64_t jr = extra == nullptr || j < P ? j : (int64_t)extra[j - P];
+    const float* vr = (jr < P0 ? vb0 : vb) + jr * hd;
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) vv[v] = V::load(vb + jr * hd + V::W * v);
+    for (int v = 0; v < NV; ++v) vv[v] = V::load(vr + V::W * v);
 #pragma GCC unroll 6
     for (int g = 0; g < G; ++g) {
       const F pj = V::set1(sc[g * lds + j]);
@@ -60,11 +63,11 @@ __attribute__((noinline)) void attn_pv_chunk(const float* vc, int64_t L, int64_t
 // The chunk for gc heads, 1 <= gc <= G (from G = V::HEADS down).
 template <class V, int NV, int G = V::HEADS>
 inline void attn_pv_heads(int gc, const float* vc, int64_t L, int64_t hd, const float* sc, int64_t lds, int v0,
-                          const float* inv, float* out, int64_t P, const int32_t* ex) {
+                          const float* inv, float* out, int64_t P, const int32_t* ex, const float* vc0, int64_t P0) {
   if constexpr (G > 1) {
-    if (gc < G) return attn_pv_heads<V, NV, G - 1>(gc, vc, L, hd, sc, lds, v0, inv, out, P, ex);
+    if (gc < G) return attn_pv_heads<V, NV, G - 1>(gc, vc, L, hd, sc, lds, v0, inv, out, P, ex, vc0, P0);
   }
-  attn_pv_chunk<V, NV, G>(vc, L, hd, sc, lds, v0, inv, out, P, ex);
+  attn_pv_chunk<V, NV, G>(vc, L, hd, sc, lds, v0, inv, out, P, ex, vc0, P0);
 }
 
 // Pass 1's partial sums for GT heads (queries q + g * hd) and the KT keys kb + (t0 + t) * hd, t < KT: part[g][t0 + t]
@@ -112,24 +115,26 @@ inline __attribute__((always_inline)) void score_heads(int gt, const float* q, c
 
 template <class V>
 void attention_group(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd, float scale,
-                     float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra) {
+                     float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra, const float* kc0,
+                     const float* vc0, int64_t P0) {
   using F = typename V::F;
   constexpr int W = V::W;
   // Heads g < G (query vectors q + g*hd, outputs out + g*hd) all read the same kv head, so every key and
   // value row is loaded once for the group. Per head the arithmetic is the same whatever G is.
   const int64_t nv = hd / W;
   if (extra == nullptr) P = L;
+  if (kc0 == nullptr || vc0 == nullptr || hd > 256) P0 = 0, kc0 = kc, vc0 = vc;  // (the rows are the same either way)
   // pass 1: scores, W keys at a time; a partial last block leaves the missing keys' sums at zero. Blocks past
   // the contiguous prefix (a tree's ancestors) gather their rows into `tb` first: the same values in the same
   // lanes, so the same sums.
   alignas(64) float tb[W * 256];
   for (int64_t j0 = 0; j0 < L; j0 += W) {
     const int cnt = L - j0 < W ? (int)(L - j0) : W;
-    const float* kb = kc + j0 * hd;
-    if (j0 + cnt > P && hd <= 256) {
+    const float* kb = (j0 + cnt <= P0 ? kc0 : kc) + j0 * hd;
+    if ((j0 + cnt > P || (j0 < P0 && j0 + cnt > P0)) && hd <= 256) {
       for (int t = 0; t < cnt; ++t) {
         const int64_t j = j0 + t, jr = j < P ? j : (int64_t)extra[j - P];
-        __builtin_memcpy(tb + t * hd, kc + jr * hd, sizeof(float) * (size_t)hd);
+        __builtin_memcpy(tb + t * hd, (jr < P0 ? kc0 : kc) + jr * hd, sizeof(float) * (size_t)hd);
       }
       kb = tb;
     }
@@ -195,10 +200,10 @@ void attention_group(const float* q, int G, const float* kc, const float* vc, in
     float* og = out + g0 * hd;
     for (int v0 = 0; v0 < (int)nv; v0 += 4) {
       switch ((int)nv - v0 < 4 ? (int)nv - v0 : 4) {
-        case 1: attn_pv_heads<V, 1>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
-        case 2: attn_pv_heads<V, 2>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
-        case 3: attn_pv_heads<V, 3>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
-        default: attn_pv_heads<V, 4>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra); break;
+        case 1: attn_pv_heads<V, 1>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra, vc0, P0); break;
+        case 2: attn_pv_heads<V, 2>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra, vc0, P0); break;
+        case 3: attn_pv_heads<V, 3>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra, vc0, P0); break;
+        default: attn_pv_heads<V, 4>(gc, vc, L, hd, sc, lds, v0, inv + g0, og, P, extra, vc0, P0); break;
       }
     }
   }

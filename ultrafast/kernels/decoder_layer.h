@@ -22,6 +22,9 @@ struct LayerArgs {
   const int64_t *starts, *lens;
   float *const *kc, *const *vc;  // per sequence: [n_kv_heads, max_len, hd] caches, rows contiguous
   const int64_t *ks0, *vs0;
+  // Or null: sequence s may read its cache rows r < share_rows[s] from sequence share_src[s]'s caches (-1: its own),
+  // which hold the very same rows (best-of-n candidates' shared prompt): the batch then reads them once.
+  const int64_t *share_src, *share_rows;
   const float *cos, *sin;  // [T, hd]
   // A token tree (one sequence): row r attends cache rows 0..tree_keys[2r]-1, then the tree_keys[2r+1] rows
   // listed at tree_extra + tree_off[r] (its ancestors and itself). Null: causal, rows 0..position.

@@ -32,9 +32,12 @@ struct LinearOps {
 
 // Attention of one query position for G heads sharing one kv head over L keys (contract of attn_group_avx512
 // in qmatmul_kernels.h, for any head_dim): key j is cache row j for j < P, row extra[j - P] after (a token
-// tree's ancestors; extra == nullptr: P == L, the causal prefix).
+// tree's ancestors; extra == nullptr: P == L, the causal prefix). Rows r < P0 may be read from kc0/vc0 instead: a
+// sibling sequence's cache that holds the very same rows (best-of-n candidates' shared prompt), so that a batch
+// of siblings reads them once; kc0 == nullptr or P0 == 0: none. The result is the same bits either way.
 using AttentionOp = void (*)(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd,
-                             float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra);
+                             float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra,
+                             const float* kc0, const float* vc0, int64_t P0);
 
 // g[i] = silu(g[i]) * u[i] for i < n: the feed-forward's gated activation; each element's result depends only
 // on (g[i], u[i]).

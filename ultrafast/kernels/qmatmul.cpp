@@ -222,7 +222,7 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& kc, cons
       const float* qi = qp + (i * H + h0) * hd;
       float* oi = op + (i * H + h0) * hd;
       attend(qi, (int)hn, kp + kvh * ks0, vp + kvh * vs0, L, hd, fscale, scores.data(), lds, oi, P,
-             tree ? te + toff[(size_t)i] : nullptr);
+             tree ? te + toff[(size_t)i] : nullptr, nullptr, nullptr, 0);
     }
   });
   return out;
@@ -247,7 +247,7 @@ torch::Tensor layer_on(torch::Tensor& x, const std::vector<int64_t>& starts, con
                        at::TensorList vcs, const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads,
                        int64_t n_kv_heads, int64_t hd, double scale, int64_t act_bits,
                        const c10::optional<torch::Tensor>& tree_keys, const c10::optional<torch::Tensor>& tree_extra,
-                       int64_t part) {
+                       int64_t part, const std::vector<int64_t>& share) {
   TORCH_CHECK_VALUE(w.size() == 7 && qt.size() == 7, "decoder_block: expected 7 linears");
   TORCH_CHECK_VALUE(bias_in.empty() || bias_in.size() == 3, "decoder_block: expected 0 or 3 biases");
   TORCH_CHECK_VALUE(n_heads >= 1 && n_kv_heads >= 1 && n_heads % n_kv_heads == 0 && hd >= 2 && hd % 2 == 0,
@@ -322,6 +322,24 @@ torch::Tensor layer_on(torch::Tensor& x, const std::vector<int64_t>& starts, con
   a.attn_norm = attn_norm.data_ptr<float>(), a.ffn_norm = ffn_norm.data_ptr<float>();
   a.nseg = (int64_t)nseg, a.starts = starts.data(), a.lens = lens.data();
   a.kc = kp.data(), a.vc = vp.data(), a.ks0 = ks0.data(), a.vs0 = vs0.data();
+  // share: per sequence (source sequence, rows) or empty; rows a source holds as well, below both sequences' starts
+  // (this pass writes neither's rows there)
+  std::vector<int64_t> share_src, share_rows;
+  if (!share.empty()) {
+    TORCH_CHECK_VALUE(share.size() == 2 * nseg, "decoder_block: share needs (source, rows) per sequence");
+    share_src.resize(nseg), share_rows.resize(nseg);
+    for (size_t s = 0; s < nseg; ++s) {
+      const int64_t j = share[2 * s], m = share[2 * s + 1];
+      const bool none = j < 0 || m <= 0;
+      TORCH_CHECK_VALUE(none || (j < (int64_t)nseg && m <= starts[s] && m <= starts[(size_t)j] &&
+                                 kcs[(size_t)j].sizes() == kcs[s].sizes() && ks0[(size_t)j] == ks0[s] &&
+                                 vs0[(size_t)j] == vs0[s]),
+                        "decoder_block: sequence ", s, " cannot share ", m, " rows with sequence ", j);
+      share_src[s] = none ? -1 : j;
+      share_rows[s] = none ? 0 : m;
+    }
+    a.share_src = share_src.data(), a.share_rows = share_rows.data();
+  }
   a.cos = cos.data_ptr<float>(), a.sin = sin.data_ptr<float>();
   a.nthreads = at::get_num_threads();
   a.x8 = act_bits == 8;
@@ -360,11 +378,12 @@ torch::Tensor decoder_block(const torch::Tensor& x_in, const std::vector<int64_t
                             const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
                             const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads,
                             int64_t hd, double scale, int64_t act_bits, const c10::optional<torch::Tensor>& tree_keys,
-                            const c10::optional<torch::Tensor>& tree_extra, int64_t part) {
+                            const c10::optional<torch::Tensor>& tree_extra, int64_t part,
+                            const std::vector<int64_t>& share) {
   check_mode(act_bits, part);
   torch::Tensor x = private_rows(x_in);
   return layer_on(x, starts, lens, attn_norm, ffn_norm, eps, w, qt, bias, kcs, vcs, cos, sin, n_heads, n_kv_heads, hd,
-                  scale, act_bits, tree_keys, tree_extra, part);
+                  scale, act_bits, tree_keys, tree_extra, part, share);
 }
 
 // Several decoder layers in one call, in the order given (a model's, or a subset of it): what decoder_block does
@@ -379,7 +398,7 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>> decoder_stack(
     const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs, const torch::Tensor& cos,
     const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads, int64_t hd, double scale, int64_t act_bits,
     const c10::optional<torch::Tensor>& tree_keys, const c10::optional<torch::Tensor>& tree_extra,
-    const std::vector<int64_t>& keep) {
+    const std::vector<int64_t>& keep, const std::vector<int64_t>& share) {
   check_mode(act_bits, 0);
   const size_t L = attn_norms.size(), nseg = starts.size();
   TORCH_CHECK_VALUE(L >= 1 && ffn_norms.size() == L && w.size() == 7 * L && qt.size() == 7 * L &&
@@ -399,7 +418,7 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>> decoder_stack(
   for (size_t l = 0; l < L; ++l) {
     layer_on(x, starts, lens, attn_norms[l], ffn_norms[l], eps, W.slice(7 * l, 7), Q.slice(7 * l, 7),
              bias.empty() ? B : B.slice(3 * l, 3), KC.slice(l * nseg, nseg), VC.slice(l * nseg, nseg), cos, sin,
-             n_heads, n_kv_heads, hd, scale, act_bits, tree_keys, tree_extra, 0);
+             n_heads, n_kv_heads, hd, scale, act_bits, tree_keys, tree_extra, 0, share);
     if (kept_after[l]) kept.push_back(x.clone());
   }
   return {x, kept};
@@ -519,12 +538,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("n_heads"),
         py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("act_bits") = 16,
         py::arg("tree_keys") = py::none(), py::arg("tree_extra") = py::none(), py::arg("part") = 0,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("share") = std::vector<int64_t>{}, py::call_guard<py::gil_scoped_release>());
   m.def("decoder_stack", &ultrafast::decoder_stack, "several decoder layers in one call", py::arg("x"),
         py::arg("starts"), py::arg("lens"), py::arg("attn_norms"), py::arg("ffn_norms"), py::arg("eps"), py::arg("w"),
         py::arg("qt"), py::arg("bias"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"), py::arg("sin"),
         py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("act_bits"),
-        py::arg("tree_keys"), py::arg("tree_extra"), py::arg("keep"), py::call_guard<py::gil_scoped_release>());
+        py::arg("tree_keys"), py::arg("tree_extra"), py::arg("keep"), py::arg("share") = std::vector<int64_t>{},
+        py::call_guard<py::gil_scoped_release>());
   m.def("avx512_supported", &ultrafast::avx512_usable, "whether this CPU can run the AVX-512 path");
   m.def("avx512_active", &ultrafast::avx512_in_use, "whether the AVX-512 path is in use");
   m.def("set_force_scalar", &ultrafast::force_scalar, "force the portable scalar path (testing)");

@@ -462,8 +462,9 @@ bool qmm_rows_avx512(int qtype, const uint8_t* xg, int64_t k, int64_t K, const u
 }
 
 void attn_group_avx512(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd, float scale,
-                       float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra) {
-  attention_group<V512>(q, G, kc, vc, L, hd, scale, scores, lds, out, P, extra);
+                       float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra, const float* kc0,
+                       const float* vc0, int64_t P0) {
+  attention_group<V512>(q, G, kc, vc, L, hd, scale, scores, lds, out, P, extra, kc0, vc0, P0);
 }
 
 void silu_mul_avx512(float* g, const float* u, int64_t n) { silu_mul<V512>(g, u, n); }

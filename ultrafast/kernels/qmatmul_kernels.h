@@ -62,7 +62,8 @@ void qmm_prep_scalar(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t 
 bool qmm_rows_scalar(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
                      int64_t ldy, int64_t n0, int64_t n1, bool x8);
 void attn_group_scalar(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t head_dim,
-                       float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra);
+                       float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra,
+                       const float* kc0, const float* vc0, int64_t P0);
 // g[i] = silu(g[i]) * u[i] for i < n (libm's exp)
 void silu_mul_scalar(float* g, const float* u, int64_t n);
 
@@ -88,9 +89,11 @@ bool qmm_rows_avx512(int qtype, const uint8_t* xg, int64_t k, int64_t K, const u
 // G rows of lds >= L + 16 floats. head_dim % 16 == 0. The result for a head depends only on its query
 // vector, the L keys/values and L. Keys are cache rows 0..P-1, then rows extra[0..L-P-1] (a token tree: the
 // ancestors of the query's node); extra == nullptr means P == L. A row's result is the same bits whether its
-// keys are contiguous or listed, for the same key sequence.
+// keys are contiguous or listed, for the same key sequence. Rows r < P0 are read from kc0/vc0 where given (a
+// sibling's cache holding the same rows: kernel_variant.h's AttentionOp).
 void attn_group_avx512(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t head_dim,
-                       float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra);
+                       float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra,
+                       const float* kc0, const float* vc0, int64_t P0);
 // g[i] = silu(g[i]) * u[i] for i < n, 16 lanes at a time (activation_simd.h)
 void silu_mul_avx512(float* g, const float* u, int64_t n);
 
@@ -107,7 +110,8 @@ bool qmm_rows_avx2(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uin
 int64_t avx2_fma_chains(int64_t n);
 // attn_group_avx512's contract, for head_dim % 8 == 0.
 void attn_group_avx2(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t head_dim,
-                     float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra);
+                     float scale, float* scores, int64_t lds, float* out, int64_t P, const int32_t* extra,
+                     const float* kc0, const float* vc0, int64_t P0);
 // silu_mul_avx512's contract, 8 lanes at a time
 void silu_mul_avx2(float* g, const float* u, int64_t n);
 

@@ -223,7 +223,8 @@ bool qmm_rows_scalar(int qtype, const uint8_t* xg, int64_t k, int64_t K, const u
 }
 
 void attn_group_scalar(const float* q, int G, const float* kc, const float* vc, int64_t L, int64_t hd, float scale,
-                       float* scores, int64_t, float* out, int64_t P, const int32_t* extra) {
+                       float* scores, int64_t, float* out, int64_t P, const int32_t* extra, const float*, const float*,
+                       int64_t) {  // (the sibling's rows are the same as kc's: the scalar path reads its own)
   for (int g = 0; g < G; ++g) attn_one_scalar(q + g * hd, kc, vc, L, hd, scale, scores, out + g * hd, P, extra);
 }
 

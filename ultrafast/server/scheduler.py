@@ -468,7 +468,8 @@ class ModelWorker:
             return
         spec = _hidden_spec(cands[0])
         try:
-            out = self.engine.forward_batch([c.gen.plain_input() for c in cands], hidden=spec)
+            inputs = [c.gen.plain_input() for c in cands]
+            out = self.engine.forward_batch(inputs, hidden=spec, share=_shared_prompts(cands, inputs))
         except Exception as e:
             log.exception("a batched pass failed (model %s)", self.name)
             for c in cands:
@@ -728,6 +729,19 @@ class ModelWorker:
             },
         }
         req.emit(("done", summary, fut))
+
+
+def _shared_prompts(cands: list[Candidate], inputs: list[tuple]) -> list | None:
+    """For a batched pass: per entry, an earlier entry of the same request and prompt and the prompt rows both caches
+    hold (each candidate prefilled the prompt or copied its sibling's rows, and KV rows depend only on the tokens
+    before them), so that the pass reads them once (`Engine.forward_batch`); None where there is none."""
+    first: dict = {}
+    share: list = []
+    for i, (c, (_, start, _)) in enumerate(zip(cands, inputs)):
+        j = first.setdefault((id(c.req), c.group), i)
+        m = min(len(c.prompt_ids) - 1, start, inputs[j][1])
+        share.append((j, m) if j != i and m > 0 and cands[j].prompt_ids == c.prompt_ids else None)
+    return share if any(s is not None for s in share) else None
 
 
 def _hidden_spec(c: Candidate):
