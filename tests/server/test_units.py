@@ -812,3 +812,41 @@ def test_batched_pass_shares_only_a_request_prompt_rows():
     inputs = [([1], 25, None), ([1], 20, None), ([1], 31, None), ([1], 5, None), ([1], 9, None)]
     assert _shared_prompts(cands, inputs) == [None, None, (0, 19), None, (3, 4)]
     assert _shared_prompts(cands[:2], inputs[:2]) is None
+
+
+def test_best_of_n_passes_share_the_prompt_rows_and_keep_the_bits(tmp_path, smollm_path):
+    """n = 4 sampled candidates of one prompt: their batched passes are told of the shared prompt rows, and the
+    candidates' tokens are those of the same request run with the sharing left out."""
+    from ultrafast.engine import Engine
+
+    engine = Engine.from_path(smollm_path, max_context=512)
+    prompt = engine.chat_prompt([{"role": "user", "content": "Name a colour and say why you like it."}])
+    forward_batch = engine.forward_batch
+
+    def run(keep_share: bool):
+        shares = []
+
+        def spy(seqs, hidden=False, share=None):
+            shares.append(share)
+            return forward_batch(seqs, hidden=hidden, share=share if keep_share else None)
+
+        engine.forward_batch = spy
+        msgs, done = [], threading.Event()
+        req = GenRequest(model="fake", tier="standard", endpoint="completions", principal=LOCAL_USER,
+                         prompts=[prompt], n=4, emit=lambda m: (msgs.append(m), m[0] == "done" and done.set()),
+                         make_params=lambda g, i: SamplingParams(max_tokens=16, temperature=1.0, seed=40 + i))
+        (tmp_path / str(keep_share)).mkdir()
+        w, _ = _worker(tmp_path / str(keep_share), engine, slots=4)
+        w.submit(req)
+        w.start()
+        w.wait_ready(10)
+        assert done.wait(60)
+        w.stop()
+        engine.forward_batch = forward_batch
+        return {m[1]: m[3].token_ids for m in msgs if m[0] == "choice_done"}, shares
+
+    shared, shares = run(True)
+    alone, _ = run(False)
+    assert len(shared) == 4 and shared == alone
+    m = len(prompt) - 1
+    assert any(s is not None and sum(x is not None and x[1] == m for x in s) == 3 for s in shares)
