@@ -13,8 +13,8 @@
 // Under tensor parallelism (LayerArgs::part) the layer runs as its two halves, each ending at wo's or down's
 // output (a rank's partial sum): the caller all-reduces it and adds the residual between them.
 // Sequences that hold the same first rows in their caches (best-of-n candidates of one prompt) may be told so
-// (LayerArgs::share_src): attention then reads those rows from one of the caches for all of them, the same values,
-// from the caches instead of memory after the first (the tasks below take a kv head's rows one after the other).
+// (LayerArgs::share_src): attention then reads those rows from one of the caches for all of them (the same values),
+// from L2 after the first sequence's read, since a thread's tasks take a kv head's rows one after the other.
 // Batch invariance is kept: every output element is computed by one thread with arithmetic that depends
 // only on its own row (the variant's prep and rows, its attention, and the per-row norm/RoPE loops below);
 // how rows, units or tasks are split between threads never changes an operation. Matmul stages split the
@@ -220,8 +220,8 @@ bool decoder_layer(const LayerArgs& a) {
         a.attn(q + (i * a.n_heads + h0) * hd, (int)hn, a.kc[s_] + kvh * a.ks0[s_],
                           a.vc[s_] + kvh * a.vs0[s_], L, hd, a.scale, sc, lds,
                           att + (i * a.n_heads + h0) * hd, P, a.tree_keys ? a.tree_extra + a.tree_off[i] : nullptr,
-                          s0 >= 0 ? a.kc[s0] + kvh * a.ks0[s0] : nullptr, s0 >= 0 ? a.vc[s0] + kvh * a.vs0[s0] : nullptr,
-                          s0 >= 0 ? a.share_rows[s_] : 0);
+                          s0 >= 0 ? a.kc[s0] + kvh * a.ks0[s0] : nullptr,
+                          s0 >= 0 ? a.vc[s0] + kvh * a.vs0[s0] : nullptr, s0 >= 0 ? a.share_rows[s_] : 0);
       }
     }
 #pragma omp barrier
