@@ -13,6 +13,7 @@ tests/test_reference_hf.py.
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import torch
 
@@ -53,14 +54,17 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """Greedy decoding with transformers in a plain loop, with an explicit all-ones attention mask: SmolLM2's
     pad token is its EOS, which appears inside every chat prompt, and generate() would mask it
     (shared/notes/measurements.md)."""
+    # the KV cache's name: `cache` in recent transformers (which deprecate `past_key_values` and will drop it),
+    # `past_key_values` before
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     x = torch.tensor([ids])
     out = model(x, attention_mask=torch.ones_like(x), use_cache=True)
-    past, toks = out.past_key_values, []
+    past, toks = getattr(out, key), []
     for _ in range(n):
         toks.append(int(out.logits[0, -1].argmax()))
         mask = torch.ones(1, len(ids) + len(toks), dtype=torch.long)
-        out = model(torch.tensor([[toks[-1]]]), past_key_values=past, attention_mask=mask, use_cache=True)
-        past = out.past_key_values
+        out = model(torch.tensor([[toks[-1]]]), attention_mask=mask, use_cache=True, **{key: past})
+        past = getattr(out, key)
     return toks
 
 
