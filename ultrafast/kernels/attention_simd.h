@@ -140,7 +140,7 @@ void attention_group(const float* q, int G, const float* kc, const float* vc, in
       }
       kb = tb;
     }
-    if (V::SCORE_HEADS > 1 && cnt == W) {  // a whole block: tiles of heads x keys (score_tile)
+    if (cnt == W) {  // a whole block: tiles of heads x keys (score_tile)
       for (int g0 = 0; g0 < G; g0 += V::SCORE_HEADS) {
         const int gt = G - g0 < V::SCORE_HEADS ? G - g0 : V::SCORE_HEADS;
         F part[V::SCORE_HEADS][W];
@@ -150,22 +150,14 @@ void attention_group(const float* q, int G, const float* kc, const float* vc, in
       }
       continue;
     }
-    for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < G; ++g) {  // the last, partial block: head by head, its cnt keys
       const float* qg = q + g * hd;
       F acc[W];
 #pragma GCC unroll 16
       for (int t = 0; t < W; ++t) acc[t] = V::zero();
-      if (cnt == W) {
-        for (int64_t v = 0; v < nv; ++v) {
-          const F qv = V::load(qg + W * v);
-#pragma GCC unroll 16
-          for (int t = 0; t < W; ++t) acc[t] = V::fma(qv, V::load(kb + t * hd + W * v), acc[t]);
-        }
-      } else {
-        for (int64_t v = 0; v < nv; ++v) {
-          const F qv = V::load(qg + W * v);
-          for (int t = 0; t < cnt; ++t) acc[t] = V::fma(qv, V::load(kb + t * hd + W * v), acc[t]);
-        }
+      for (int64_t v = 0; v < nv; ++v) {
+        const F qv = V::load(qg + W * v);
+        for (int t = 0; t < cnt; ++t) acc[t] = V::fma(qv, V::load(kb + t * hd + W * v), acc[t]);
       }
       V::store_first(scores + g * lds + j0, V::mul(V::transpose_reduce(acc), V::set1(scale)), cnt);
     }
