@@ -112,21 +112,36 @@ class Generation:
     def done(self) -> bool:
         return self.finish is not None
 
-    def prefill(self) -> None:
+    def prefill(self, prompt_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed the prompt (the rows the cache does not hold yet) and take the first token; returns the logits
+        of the prompt's last row [V]. prompt_logits: that row as another generation of the same prompt computed
+        it (best-of-n siblings). Where this cache holds the whole prompt's rows (copied from that sibling) and the
+        stepper reads no features, the row is used as it is, without a forward: the very bits this generation's
+        own forward of the last token would give (the rows are the same, and the kernels batch-invariant).
+        Otherwise it is ignored."""
         self.t0 = time.perf_counter()
         self.stepper.begin(self.prompt)
-        self.reused = self.cache.reusable_prefix(self.prompt)
-        self.cache.tokens = self.cache.tokens[:self.reused]  # rows past this are about to be overwritten
         want = getattr(self.stepper, "wants_hidden", False)  # a draft head reads the prompt's features
-        logits = self.engine.forward(self.prompt[self.reused:], self.reused, cache=self.cache, hidden=want)
-        if want:
-            logits, features = logits
-        self.pos = len(self.prompt)
-        tok = self.sampler.sample(logits[-1])
-        if want:
-            self.stepper.observe(self.reused, features, self.prompt[self.reused + 1:] + [tok])
+        n = len(self.prompt)
+        if prompt_logits is not None and not want and self.cache.tokens[:n] == self.prompt:
+            self.reused = n
+            self.cache.tokens = self.cache.tokens[:n]
+            last = prompt_logits.reshape(-1)
+            tok = self.sampler.sample(last)
+        else:
+            self.reused = self.cache.reusable_prefix(self.prompt)
+            self.cache.tokens = self.cache.tokens[:self.reused]  # rows past this are about to be overwritten
+            logits = self.engine.forward(self.prompt[self.reused:], self.reused, cache=self.cache, hidden=want)
+            if want:
+                logits, features = logits
+            last = logits[-1]
+            tok = self.sampler.sample(last)
+            if want:
+                self.stepper.observe(self.reused, features, self.prompt[self.reused + 1:] + [tok])
+        self.pos = n
         self.ttft = time.perf_counter() - self.t0
         self._take([tok])
+        return last
 
     def plain_input(self) -> tuple[list[int], int, object]:
         """The next plain step's input (tokens, start position, cache), for a batched pass."""

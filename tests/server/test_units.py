@@ -815,22 +815,34 @@ def test_batched_pass_shares_only_a_request_prompt_rows():
 
 
 def test_best_of_n_passes_share_the_prompt_rows_and_keep_the_bits(tmp_path, smollm_path):
-    """n = 4 sampled candidates of one prompt: their batched passes are told of the shared prompt rows, and the
-    candidates' tokens are those of the same request run with the sharing left out."""
+    """n = 4 sampled candidates of one prompt: their batched passes are told of the shared prompt rows, the siblings
+    start from the logits the first candidate computed for the prompt's last row (no forward of their own), and the
+    candidates' tokens are those of the same request run with both left out (each sibling computing that row)."""
     from ultrafast.engine import Engine
+    from ultrafast.generation import Generation
 
     engine = Engine.from_path(smollm_path, max_context=512)
     prompt = engine.chat_prompt([{"role": "user", "content": "Name a colour and say why you like it."}])
-    forward_batch = engine.forward_batch
+    forward_batch, forward, prefill = engine.forward_batch, engine.forward, Generation.prefill
 
     def run(keep_share: bool):
-        shares = []
+        shares, forwards = [], []
 
         def spy(seqs, hidden=False, share=None):
             shares.append(share)
             return forward_batch(seqs, hidden=hidden, share=share if keep_share else None)
 
-        engine.forward_batch = spy
+        def spy_forward(tokens, start_pos, **kw):
+            forwards.append((len(tokens), start_pos))
+            return forward(tokens, start_pos, **kw)
+
+        def own_prefill(self, prompt_logits=None):
+            return prefill(self)
+
+        engine.forward_batch, engine.forward = spy, spy_forward
+        engine.cache.tokens = []  # the worker's first slot is the engine's cache: no rows of the run before
+        if not keep_share:
+            Generation.prefill = own_prefill
         msgs, done = [], threading.Event()
         req = GenRequest(model="fake", tier="standard", endpoint="completions", principal=LOCAL_USER,
                          prompts=[prompt], n=4, emit=lambda m: (msgs.append(m), m[0] == "done" and done.set()),
@@ -840,13 +852,19 @@ def test_best_of_n_passes_share_the_prompt_rows_and_keep_the_bits(tmp_path, smol
         w.submit(req)
         w.start()
         w.wait_ready(10)
-        assert done.wait(60)
-        w.stop()
-        engine.forward_batch = forward_batch
-        return {m[1]: m[3].token_ids for m in msgs if m[0] == "choice_done"}, shares
+        try:
+            assert done.wait(60)
+        finally:
+            w.stop()
+            engine.forward_batch, engine.forward, Generation.prefill = forward_batch, forward, prefill
+        return {m[1]: m[3].token_ids for m in msgs if m[0] == "choice_done"}, shares, forwards
 
-    shared, shares = run(True)
-    alone, _ = run(False)
+    shared, shares, forwards = run(True)
+    alone, _, own = run(False)
     assert len(shared) == 4 and shared == alone
     m = len(prompt) - 1
     assert any(s is not None and sum(x is not None and x[1] == m for x in s) == 3 for s in shares)
+    # the first candidate's prefill; the siblings ran none and joined its first step, batched
+    assert forwards == [(len(prompt), 0)]
+    # with the logits dropped, each sibling's own forward of the prompt's last token
+    assert own == [(len(prompt), 0)] + [(1, m)] * 3

@@ -20,7 +20,8 @@ so neither `cached_tokens` nor the time to the first token tells one key anythin
 
 n > 1: the candidates of one prompt share its prefill. The first one is admitted alone; once it has
 prefilled, each sibling copies the prompt's KV rows into its own slot (`dst.k[:, :, :m] = src.k[:, :, :m]`,
-same for v, then `dst.tokens`), so its own prefill is one token.
+same for v, then `dst.tokens`) and takes its first token from the logits the first one computed for the prompt's
+last row (kept until the siblings have started): its prefill runs no forward (without those logits: one token).
 
 Ultrafast candidates decode together too, in batched plain passes, while those pay more than their own
 speculative passes (by the engine's measured r(k) and each candidate's measured tokens per step-time): the
@@ -87,6 +88,7 @@ class Candidate:
     batched_rounds: int = 0  # ultrafast: rounds in a batched plain pass since it last speculated alone (a probe)
     probed: bool = False  # ... whether it has been probed
     probe_won: bool = False  # ... and whether its last probe's drafts beat the batched pass
+    borrowed_prefill: bool = False  # its prefill was handed its source's logits (no forward of its own)
 
     @property
     def logprobs(self) -> bool:
@@ -123,6 +125,8 @@ class GenRequest:
     ledger_open: bool = False  # its running row has been submitted
     first_token_t: float | None = None
     source: dict = field(default_factory=dict)  # group -> the candidate that prefilled it
+    # group -> the logits of its prompt's last row, from the source's prefill, while siblings have yet to start
+    prompt_logits: dict = field(default_factory=dict)
 
     def __post_init__(self):
         i = 0
@@ -387,8 +391,11 @@ class ModelWorker:
                 req.admitted_t = now
                 self.metrics.queue_time.labels(self.name, req.tier).observe(now - req.arrival)
             src = req.source[c.group]
-            m = len(c.prompt_ids) - 1
-            if src is not c and src.state == "active" and src.slot is not None and c.slot.cache.reusable_prefix(c.prompt_ids) < m:
+            # with the source's last-row logits, all the prompt's rows (the sibling then runs no forward of its
+            # own: Generation.prefill), else all but the last
+            m = len(c.prompt_ids) - (c.group not in req.prompt_logits)
+            if (src is not c and src.state == "active" and src.slot is not None
+                    and c.slot.cache.tokens[:m] != c.prompt_ids[:m]):
                 # the sibling prefilled this prompt: copy its rows instead of recomputing them
                 s, d = src.slot.cache, c.slot.cache
                 d.copy_prefix_from(s, m)
@@ -451,8 +458,9 @@ class ModelWorker:
         standard = [c for c in self._active if c.req.tier != "ultrafast"]
         fresh = [c for c in standard if not c.prefilled and live(c)]
         for c in fresh:
-            self._step(c)  # its prefill: one forward of its own
-        ready = [c for c in standard if c.prefilled and live(c) and c not in fresh]
+            self._step(c)  # its prefill: one forward of its own (none for a sibling given its source's logits)
+        # a sibling whose prefill ran no forward joins this round's pass (else its source would step alone)
+        ready = [c for c in standard if c.prefilled and live(c) and (c not in fresh or c.borrowed_prefill)]
         if self._batch and len(ready) > 1:
             self._batched_pass(ready)
         else:
@@ -552,7 +560,7 @@ class ModelWorker:
         try:
             if not c.prefilled:
                 c.prefilled = True  # siblings may copy its rows from now on
-                g.prefill()
+                self._prefill(c)
             elif logits is None and req.tier == "ultrafast" and hasattr(g, "stepper"):
                 stats = g.stepper.stats  # its own speculative pass: what it yields per step-time, drafting included
                 emitted, spent = stats.emitted, stats.spent
@@ -584,6 +592,21 @@ class ModelWorker:
             self._candidate_done(c, g.result)
         elif not req.finalized:
             self._settle(req)
+
+    def _prefill(self, c: Candidate) -> None:
+        """c's prefill. A sibling starts from the logits its source computed for the prompt's last row, when the
+        source kept them (its own forward of that row would give the same bits); the source keeps them while
+        candidates of its prompt have yet to start."""
+        req = c.req
+        row = req.prompt_logits.get(c.group) if req.source.get(c.group) is not c else None
+        c.borrowed_prefill = row is not None
+        last = c.gen.prefill(row) if row is not None else c.gen.prefill()
+        waiting = [x for x in req.candidates if x.group == c.group and x is not c
+                   and (x.state == "pending" or (x.state == "active" and not x.prefilled))]
+        if not waiting:
+            req.prompt_logits.pop(c.group, None)
+        elif req.source.get(c.group) is c and last is not None:
+            req.prompt_logits[c.group] = last
 
     def _event(self, c: Candidate, ev) -> None:
         req = c.req
@@ -693,6 +716,7 @@ class ModelWorker:
         if req.finalized:
             return
         req.finalized = True
+        req.prompt_logits.clear()
         now = time.monotonic()
         completion = self._completion_tokens(req)
         row = self._ledger_row(req, status, completion, now)
