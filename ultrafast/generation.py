@@ -127,7 +127,6 @@ class Generation:
             self.reused = n
             self.cache.tokens = self.cache.tokens[:n]
             last = prompt_logits.reshape(-1)
-            tok = self.sampler.sample(last)
         else:
             self.reused = self.cache.reusable_prefix(self.prompt)
             self.cache.tokens = self.cache.tokens[:self.reused]  # rows past this are about to be overwritten
@@ -135,9 +134,9 @@ class Generation:
             if want:
                 logits, features = logits
             last = logits[-1]
-            tok = self.sampler.sample(last)
-            if want:
-                self.stepper.observe(self.reused, features, self.prompt[self.reused + 1:] + [tok])
+        tok = self.sampler.sample(last)
+        if want:  # (never with borrowed logits)
+            self.stepper.observe(self.reused, features, self.prompt[self.reused + 1:] + [tok])
         self.pos = n
         self.ttft = time.perf_counter() - self.t0
         self._take([tok])

@@ -598,14 +598,15 @@ class ModelWorker:
         source kept them (its own forward of that row would give the same bits); the source keeps them while
         candidates of its prompt have yet to start."""
         req = c.req
-        row = req.prompt_logits.get(c.group) if req.source.get(c.group) is not c else None
+        is_source = req.source.get(c.group) is c
+        row = None if is_source else req.prompt_logits.get(c.group)
         c.borrowed_prefill = row is not None
         last = c.gen.prefill(row) if row is not None else c.gen.prefill()
         waiting = [x for x in req.candidates if x.group == c.group and x is not c
                    and (x.state == "pending" or (x.state == "active" and not x.prefilled))]
         if not waiting:
             req.prompt_logits.pop(c.group, None)
-        elif req.source.get(c.group) is c and last is not None:
+        elif is_source and last is not None:
             req.prompt_logits[c.group] = last
 
     def _event(self, c: Candidate, ev) -> None:
