@@ -398,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default=DEFAULT_MODEL, help="served for the run (unless --url)")
     e.add_argument("--url", default=None, help="a running server instead (e.g. http://127.0.0.1:8000)")
     e.add_argument("--api-key", default=None)
-    e.add_argument("--sets", default="specbench,humaneval", help="specbench (480 first turns), humaneval (164)")
+    e.add_argument("--sets", default="specbench,humaneval", help="specbench (480 first turns), humaneval (164), agent (the agent loop's 6 edits "
+                                                              "of one file, each returning the whole file)")
     e.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default ../shared/data/spec_bench)")
     e.add_argument("--tier", choices=["standard", "ultrafast", "both"], default="both")
     e.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (agents run several)")

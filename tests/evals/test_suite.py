@@ -57,3 +57,14 @@ def test_bad_per_category_is_an_error_line():
     p = subprocess.run([sys.executable, "-m", "ultrafast.cli", "evals", "suite", "--per-category", "0", "--url",
                         "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.startswith("error:") and "--per-category" in p.stderr
+
+
+def test_the_agent_set_is_the_agent_loops_first_edits():
+    """`--sets agent`: agentbench's file with each of its tasks, as the agent loop sends its first edit."""
+    from ultrafast.benchmarks.agent_loop import START_FILE, TASKS
+    from ultrafast.evals.suite import prompts
+
+    got = prompts("agent", None, None)
+    assert len(got) == len(TASKS) and [m["role"] for m in got[0]] == ["system", "user"]
+    assert all(START_FILE in m[1]["content"] and m[1]["content"].endswith(t) for m, t in zip(got, TASKS))
+    assert len(prompts("agent", 2, None)) == 2

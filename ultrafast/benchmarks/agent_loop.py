@@ -57,6 +57,12 @@ TASKS = [
 ]
 
 
+def edit_messages(file: str, task: str) -> list[dict]:
+    """The chat an agent sends for one edit: the whole file, and what to change."""
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Here is my file:\n```python\n{file}```\n\n{task}"}]
+
+
 def extract_file(text: str, previous: str) -> str:
     if "```" not in text:
         return previous
@@ -74,9 +80,7 @@ def run_agent_loop(engine, *, iterations: int, max_tokens: int, drafters=None, p
     for i in range(iterations):
         task = TASKS[i % len(TASKS)]
         for tier in ("standard", "ultrafast"):
-            messages = [{"role": "system", "content": SYSTEM},
-                        {"role": "user", "content": f"Here is my file:\n```python\n{current[tier]}```\n\n{task}"}]
-            ids = engine.chat_prompt(messages)
+            ids = engine.chat_prompt(edit_messages(current[tier], task))
             engine.cache.tokens = []  # the agent's prompt changes every time; no help from the KV cache here
             res = engine.generate(ids, SamplingParams(max_tokens=max_tokens), tier=tier,
                                   drafters=drafters if tier == "ultrafast" else None)

@@ -2,7 +2,9 @@
 concurrency an agent harness would use, greedy: the wall-clock per tier and their ratio, tokens in and out, and
 what the run cost at each tier's price (the server's own ledger, `/v1/usage`, before and after).
 
-Sets: Spec-Bench's 480 first turns (`../shared/data/spec_bench/question.jsonl`) and HumanEval's 164 prompts.
+Sets: Spec-Bench's 480 first turns (`../shared/data/spec_bench/question.jsonl`), HumanEval's 164 prompts, and
+`agent`: the agent loop's edits (`ultrafast agentbench`'s file and its six tasks, each sent as its first edit),
+agents at work side by side, each asking for its whole file back.
 Each request's record is appended to a JSON-lines file as it completes (Ctrl-C keeps them).
 """
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from .. import report
 
-SETS = ("specbench", "humaneval")
+SETS = ("specbench", "humaneval", "agent")
 
 
 def prompts(name: str, limit: int | None, questions: str | None, per_category: int | None = None) -> list[list[dict]]:
@@ -31,6 +33,10 @@ def prompts(name: str, limit: int | None, questions: str | None, per_category: i
         from .humaneval import load_problems, messages
 
         out = [messages(p) for p in load_problems()]
+    elif name == "agent":
+        from ..benchmarks.agent_loop import START_FILE, TASKS, edit_messages
+
+        out = [edit_messages(START_FILE, task) for task in TASKS]
     else:
         raise ValueError(f"unknown set {name!r}: one of {', '.join(SETS)}")
     return out[:limit] if limit else out
