@@ -387,3 +387,33 @@ def test_drafting_cost_is_counted_apart_from_the_verify_cost():
     for pos in range(20):
         lookup.step(1, pos, sampler, 64)
     assert lookup.stats.by_drafter["two_kinds"].drafted > 0 and lookup.stats.draft_cost == 0.0
+
+
+def test_a_shared_pass_keeps_the_drafts_that_pay_for_their_rows():
+    """share_rows: the most valuable drafts of all plans (a prefix of each chain), as many as maximise expected
+    tokens per unit of the pass's cost; none where rows cost too much for what the drafts are worth; a probe's
+    first draft whatever it is worth."""
+    from ultrafast.speculative import DraftPlan, batch_cost, share_rows
+
+    def plan(rate, n, probe=False):
+        return DraftPlan(None, list(range(n)), 1, [rate ** j for j in range(1, n + 1)], probe)
+
+    cheap = [0.0, 1.0] + [1.0 + 0.05 * (k - 1) for k in range(2, 18)]  # 0.05 of a step a row
+    dear = [0.0, 1.0] + [float(k) for k in range(2, 18)]  # a whole step a row: no draft earns its row
+    # a right-most-of-the-time copy and an unlikely guess, beside a request with nothing to draft
+    plans = [plan(0.9, 6), plan(0.1, 3), None]
+    keep = share_rows(plans, cheap)
+    assert keep[0] == 6 and keep[1] in (0, 1) and keep[2] == 0
+    assert share_rows(plans, dear) == [0, 0, 0]
+    # the choice is the best ratio over the ranked drafts: check it against every split by brute force
+    plans = [plan(0.8, 5), plan(0.5, 5), plan(0.3, 4)]
+    mid = [0.0, 1.0] + [1.0 + 0.2 * (k - 1) for k in range(2, 18)]
+    keep = share_rows(plans, mid)
+    best = max((sum(1 + sum(p.values[:k]) for p, k in zip(plans, ks)) / batch_cost(mid, sum(1 + k for k in ks)), ks)
+               for ks in __import__("itertools").product(range(6), range(6), range(5)))
+    got = sum(1 + sum(p.values[:k]) for p, k in zip(plans, keep)) / batch_cost(mid, sum(1 + k for k in keep))
+    assert abs(got - best[0]) < 1e-9, (keep, best)
+    # a probe is verified even where rows are dear; the rest as before
+    assert share_rows([plan(0.05, 3, probe=True), plan(0.05, 3)], dear) == [1, 0]
+    # beyond the measured r(k), a pass costs its rows at the largest k's rate
+    assert batch_cost(cheap, 34) == cheap[17] * 2

@@ -228,16 +228,18 @@ class Engine:
         return self.model(t, start_pos, cache or self.cache, all_logits=all_logits, layers=layers, hidden=hidden,
                           tree=tree)
 
-    def forward_batch(self, seqs: list[tuple[list[int], int, KVCache]], hidden: bool = False, share=None):
+    def forward_batch(self, seqs: list[tuple[list[int], int, KVCache]], hidden: bool = False, share=None,
+                      all_logits: bool = False):
         """Continuous batching: one pass for several sequences, each (new tokens, start position, its cache).
-        Returns the logits of each sequence's last token [n, vocab]; with the packed kernels they are
+        Returns the logits of each sequence's last token [n, vocab] (all_logits: of every row, the sequences'
+        rows in order [rows, vocab]: several generations' drafts verified in one pass); with the packed kernels they are
         bit-identical to running each sequence alone, so batching never changes a request's output. hidden:
         (logits, every row's last-layer output before the final norm [rows, dim]), as `forward`. share: per
         sequence None or (j, m), sequence j's cache holding the same first m rows (best-of-n candidates of one
         prompt; `Transformer.forward_multi`), which the pass then reads once."""
         tokens = torch.tensor([t for toks, _, _ in seqs for t in toks], dtype=torch.long, device=self.device)
         return self.model.forward_multi(tokens, [s for _, s, _ in seqs], [len(t) for t, _, _ in seqs],
-                                        [c for _, _, c in seqs], hidden=hidden, share=share)
+                                        [c for _, _, c in seqs], all_logits=all_logits, hidden=hidden, share=share)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

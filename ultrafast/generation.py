@@ -146,6 +146,26 @@ class Generation:
         """The next plain step's input (tokens, start position, cache), for a batched pass."""
         return [self.out_ids[-1]], self.pos, self.cache
 
+    def draft_plan(self):
+        """What this generation would draft in a pass shared with others (`SpeculativeStepper.batch_plan`), or
+        None where its stepper drafts only in passes of its own (the standard tier's plain stepper)."""
+        plan = getattr(self.stepper, "batch_plan", None)
+        if plan is None:
+            return None
+        return plan(self.sampler, min(self.stepper.max_k, self.budget - len(self.out_ids) - 1))
+
+    def spec_input(self, drafts: list[int]) -> tuple[list[int], int, object]:
+        """A shared pass's input for this generation: its last token and `drafts` after it (tokens, start
+        position, cache); `plain_input` without drafts."""
+        return [self.out_ids[-1]] + list(drafts), self.pos, self.cache
+
+    def advance_rows(self, plan, keep: int, logits: torch.Tensor, features: torch.Tensor | None = None) -> None:
+        """One shared pass: `logits` [1 + keep, V] (and `features`, when the stepper reads them) of the rows
+        `spec_input(plan.drafts[:keep])` asked for; the tokens the target emits there are taken."""
+        new = self.stepper.verify_rows(plan, keep, self.pos, logits, features, self.sampler)
+        self.pos += len(new)
+        self._take(new)
+
     def advance(self, logits: torch.Tensor | None = None, features: torch.Tensor | None = None) -> None:
         """One pass: this generation's own step (plain or speculative), or the logits row a batched pass
         computed for `plain_input()`, with that row's features [1, dim] when the stepper reads them

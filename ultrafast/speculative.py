@@ -367,8 +367,52 @@ class SpeculativeStepper:
         if tree is not None:
             extra["tree"] = tree
         logits = self.engine.forward([tok] + drafts, pos, all_logits=bool(drafts), cache=self.cache, **extra)
+        features = None
         if self.wants_hidden:
             logits, features = logits
+        return self._accept(drafter, drafts, cls, parents, tree, pos, logits, features, sampler,
+                            self.r[len(drafts) + 1])
+
+    def batch_plan(self, sampler, limit: int) -> "DraftPlan":
+        """What this generation would draft in a pass it shares with others (`verify_rows`): the lookups' chain
+        with the best expected tokens, each draft worth its class's acceptance rate to the power of its depth
+        (the pass's owner keeps the prefix of every plan that pays for the rows it adds: `share_rows`). Drafters
+        that cost forwards or draft trees draft only in this generation's own passes (`step`). `probe`: its
+        plain steps have run long enough that its first draft should be verified whatever it is worth, so that
+        the rates a plan is judged by are measured again."""
+        if limit < 1 or self.fixed_k is not None:
+            return DraftPlan(None, [], 0, [])
+        best = None
+        for d in self.drafters:
+            if not _is_lookup(d):
+                continue
+            drafts = d.propose(sampler.history, limit, sampler)[:limit]
+            if drafts and getattr(sampler, "constraint", None) is not None:
+                drafts, _ = sampler.cut(drafts, None)
+            if not drafts:
+                continue
+            cls = lookup_class(d)
+            rate = self.stats.by_drafter[d.name].rates.get(cls, DrafterStats.rate)
+            values = [rate ** j for j in range(1, len(drafts) + 1)]
+            if best is None or sum(values) > sum(best.values):
+                best = DraftPlan(d, drafts, cls, values)
+        if best is None:
+            return DraftPlan(None, [], 0, [])
+        best.probe = self._plain_run >= self.probe_interval()
+        return best
+
+    def verify_rows(self, plan: "DraftPlan", keep: int, pos: int, logits, features, sampler) -> list[int]:
+        """The tokens from a shared pass's rows for this generation: `logits` [1 + keep, V] of its last token and
+        the first `keep` drafts of `plan` at `pos` (`features`: those rows' target features, when read). Counted
+        as its own pass of 1 + keep rows would be."""
+        drafts = plan.drafts[:keep]
+        return self._accept(plan.drafter if drafts else None, drafts, plan.cls if drafts else 0, None, None, pos,
+                            logits, features, sampler, self.r[min(len(drafts) + 1, len(self.r) - 1)])
+
+    def _accept(self, drafter, drafts, cls, parents, tree, pos, logits, features, sampler, cost: float) -> list[int]:
+        """After a pass over [tok] + drafts (a chain, or the tree `tree`): the tokens the target emits, the
+        accepted rows moved where plain decoding writes them, the feature readers fed, the statistics kept."""
+        chain = list(range(len(drafts)))
         out, path = verify_tree(logits, drafts, chain if parents is None else parents, sampler)
         if tree is not None:
             keep_path(self.cache, pos, path)  # the accepted nodes' rows where plain decoding writes them
@@ -381,7 +425,7 @@ class SpeculativeStepper:
             st.tree_nodes = (1 - self.EMA) * st.tree_nodes + self.EMA * len(drafts)
         self.stats.verify_passes += 1
         self.stats.emitted += len(out)
-        self.stats.cost += self.r[len(drafts) + 1]
+        self.stats.cost += cost
         if drafter is None:
             self.stats.plain_steps += 1
             self._plain_run += 1
@@ -397,6 +441,49 @@ class SpeculativeStepper:
             st.accepted += accepted
             st.record(cls, accepted, accepted + (1 if accepted < len(drafts) else 0))
         return out
+
+
+@dataclass
+class DraftPlan:
+    """A generation's proposal for a shared pass (`SpeculativeStepper.batch_plan`): drafts from `drafter` in its
+    match class `cls`, values[j] the expected acceptance of drafts[:j + 1]."""
+    drafter: object | None
+    drafts: list[int]
+    cls: int
+    values: list[float]
+    probe: bool = False
+
+
+def share_rows(plans: list[DraftPlan | None], r: list[float], margin: float = 1.02) -> list[int]:
+    """How many of each plan's drafts to verify in one pass shared by len(plans) generations (None: one that
+    drafts nothing). Every generation's row for its last token is in the pass; each further row is a draft worth
+    its value in expected tokens (a chain's values fall with depth, so taking the largest values takes a prefix
+    of each chain). The pass keeps the N most valuable drafts, N maximising expected tokens per unit of the
+    pass's cost (`batch_cost`), and drafts only if that beats the pass without them by `margin`; a plan marked
+    `probe` keeps its first draft however little it is worth."""
+    m = len(plans)
+    keep = [1 if p is not None and p.probe and p.drafts else 0 for p in plans]
+    rows = m + sum(keep)
+    tokens = m + sum(p.values[0] for p, k in zip(plans, keep) if k)
+    base = tokens / batch_cost(r, rows)
+    ranked = sorted(((v, i) for i, (p, k) in enumerate(zip(plans, keep)) if p is not None for v in p.values[k:]),
+                    key=lambda t: -t[0])
+    best_n, best = 0, base * margin
+    for n, (v, _) in enumerate(ranked, start=1):
+        tokens += v
+        gain = tokens / batch_cost(r, rows + n)
+        if gain > best:
+            best_n, best = n, gain
+    for _, i in ranked[:best_n]:
+        keep[i] += 1
+    return keep
+
+
+def batch_cost(r: list[float], rows: int) -> float:
+    """The cost of one pass over `rows` rows in 1-token forwards, from the measured r(k) (k <= len(r) - 1;
+    beyond, linear in the rows at the largest k's cost per row)."""
+    top = len(r) - 1
+    return r[min(rows, top)] * max(1.0, rows / top)
 
 
 def _is_lookup(d) -> bool:

@@ -629,9 +629,9 @@ class BatchingEngine(FakeEngine):
     def start(self, prompt, params, tier="standard", cache=None):
         return FakeGeneration(self, prompt, params, tier, cache)
 
-    def forward_batch(self, seqs, hidden=False, share=None):
+    def forward_batch(self, seqs, hidden=False, share=None, all_logits=False):
         self.batches.append(len(seqs))
-        return torch.zeros(len(seqs), 4)
+        return torch.zeros(sum(len(t) for t, _, _ in seqs) if all_logits else len(seqs), 4)
 
 
 def test_standard_steps_are_batched(tmp_path):
@@ -660,9 +660,9 @@ def test_ultrafast_candidates_with_a_draft_head_decode_together(tmp_path, tiny_h
     calls, fed = [], []
     forward_batch = engine.forward_batch
 
-    def spy(seqs, hidden=False, share=None):
+    def spy(seqs, hidden=False, share=None, all_logits=False):
         calls.append(hidden)
-        return forward_batch(seqs, hidden=hidden, share=share)
+        return forward_batch(seqs, hidden=hidden, share=share, all_logits=all_logits)
 
     engine.forward_batch = spy
     w, _ = _worker(tmp_path, engine, slots=3, weight=2)
@@ -687,6 +687,52 @@ def test_ultrafast_candidates_with_a_draft_head_decode_together(tmp_path, tiny_h
     assert True in calls  # batched passes asked for the features the head reads ...
     assert w.metrics.batched_rows.labels("fake", "ultrafast")._value.get() > 0
     assert sum(1 for _, rows, toks in fed if rows == 1 and toks == 1) > 0  # ... and handed each row over
+
+
+def test_ultrafast_requests_verify_their_drafts_in_a_shared_pass(tmp_path, smollm_path):
+    """Ultrafast requests that decode together add their lookups' drafts to the shared pass where the rows pay
+    for themselves (`speculative.share_rows`), each verifying its own rows: greedy and seeded sampled texts
+    stay the standard tier's, and the pass carries more rows than requests."""
+    from ultrafast.engine import Engine
+
+    engine = Engine.from_path(smollm_path, max_context=512)
+    # rows nearly free up to 8 (so the batch pays, and so do drafts that are often right), dearer beyond
+    engine.r_table = [0.0, 1.0] + [1.0 + 0.03 * (k - 1) if k <= 8 else 1.2 + 0.3 * (k - 8) for k in range(2, 18)]
+    passes = []
+    forward_batch = engine.forward_batch
+
+    def spy(seqs, hidden=False, share=None, all_logits=False):
+        passes.append((len(seqs), sum(len(t) for t, _, _ in seqs), share is not None))
+        return forward_batch(seqs, hidden=hidden, share=share, all_logits=all_logits)
+
+    engine.forward_batch = spy
+    w, _ = _worker(tmp_path, engine, slots=3, weight=2)
+    items = "apple, banana, cherry, grape, lemon, mango, orange, peach, pear, plum"
+    asks = [f"Repeat this list exactly, twice: {items}", f"Write this list backwards and then forwards: {items}",
+            f"Copy this line three times: {items}"]
+    params = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=11)]
+    prompts = [engine.chat_prompt([{"role": "user", "content": q}]) for q in asks]
+    reqs = []
+    for ids, p in zip(prompts, params):
+        r = _request(ids, 40, tier="ultrafast")
+        r.candidates[0].params = p
+        reqs.append(r)
+    # and best-of-n siblings, which also share their prompt's rows in the pass (`_shared_prompts`)
+    sib = [SamplingParams(max_tokens=40, temperature=0.8, seed=100 + i) for i in range(3)]
+    best = _request(prompts[0], 40, tier="ultrafast", n=3)
+    for c, p in zip(best.candidates, sib):
+        c.params = p
+    _run_worker(w, reqs + [best])
+    for r, ids, p in zip(reqs, prompts, params):
+        text = "".join(m[2] for m in r.msgs if m[0] == "delta")
+        assert text == engine.generate(ids, p).text
+    for i, p in enumerate(sib):
+        text = "".join(m[2] for m in best.msgs if m[0] == "delta" and m[1] == i)
+        assert text == engine.generate(prompts[0], p).text
+    shared = [(n, rows, share) for n, rows, share in passes if n > 1]
+    assert any(rows > n for n, rows, _ in shared), passes  # drafts rode along in shared passes,
+    assert any(rows > n and share for n, rows, share in shared), passes  # also beside shared prompt rows
 
 
 def test_a_requests_ultrafast_candidates_prefill_then_batch(tmp_path):
@@ -828,9 +874,9 @@ def test_best_of_n_passes_share_the_prompt_rows_and_keep_the_bits(tmp_path, smol
     def run(keep_share: bool):
         shares, forwards = [], []
 
-        def spy(seqs, hidden=False, share=None):
+        def spy(seqs, hidden=False, share=None, all_logits=False):
             shares.append(share)
-            return forward_batch(seqs, hidden=hidden, share=share if keep_share else None)
+            return forward_batch(seqs, hidden=hidden, share=share if keep_share else None, all_logits=all_logits)
 
         def spy_forward(tokens, start_pos, **kw):
             forwards.append((len(tokens), start_pos))

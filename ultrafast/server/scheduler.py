@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
+from ..speculative import batch_cost, share_rows
 from .auth import Principal
 from .rate_limit import RateLimiter
 from .errors import QueueFull, Unavailable
@@ -426,8 +427,9 @@ class ModelWorker:
         ultra = [c for c in self._active if c.req.tier == "ultrafast"]
         ultra_live = [c for c in ultra if live(c)]
         together = self._batchable(ultra_live)
+        plans = {id(c): self._plan(c) for c in together}  # what each would draft in the shared pass
         probe, batch_rate = None, 0.0
-        batching = bool(together) and self._batch_pays(together)
+        batching = bool(together) and self._batch_pays(together, plans)
         # Candidates that will batch together from the next round (a request's n candidates in its first
         # rounds): the fresh ones prefill only, as they do once a batch is running, and those already prefilled
         # wait for them rather than speculate alone (n = 10: ten candidates' lone passes before the first batch)
@@ -437,11 +439,11 @@ class ModelWorker:
         if batching:
             # now and then one of them speculates alone, so that drafts that start paying (text that repeats)
             # are seen (`_probe`)
-            batch_rate = self._batch_rate(together)
+            batch_rate = self._batch_rate(together, plans)
             probe = self._probe(together)
             group = [c for c in together if c is not probe]
-            for _ in range(self.ultrafast_weight):
-                self._batched_pass([c for c in group if live(c)])
+            for i in range(self.ultrafast_weight):  # the first pass takes the plans judged above
+                self._batched_pass([c for c in group if live(c)], plans if i == 0 else None)
             ultra = [c for c in ultra if c not in group]
         for c in ultra:
             if id(c) in waiting:
@@ -468,27 +470,54 @@ class ModelWorker:
                 if live(c):
                     self._step(c)
 
-    def _batched_pass(self, cands: list[Candidate]) -> None:
-        """One pass over the weights for several candidates' plain steps (bit-identical to each alone). When
-        their steppers read the target's features (a draft head; `_batchable` groups only those that read the
-        same ones), the pass returns them too and each candidate's row goes to its stepper."""
+    def _batched_pass(self, cands: list[Candidate], plans: dict | None = None) -> None:
+        """One pass over the weights for several candidates (bit-identical to each alone). Each ultrafast one
+        may add drafts to it (`Generation.draft_plan`): the pass keeps those that pay for the rows they add
+        (`speculative.share_rows`), and each candidate verifies its own rows; without drafts it is the plain
+        steps of all. When their steppers read the target's features (a draft head; `_batchable` groups only
+        those that read the same ones), the pass returns them too and each candidate's rows go to its stepper.
+        plans: the candidates' plans (by id) when the round has just made them."""
         if not cands:
             return
         spec = _hidden_spec(cands[0])
         try:
-            inputs = [c.gen.plain_input() for c in cands]
-            out = self.engine.forward_batch(inputs, hidden=spec, share=_shared_prompts(cands, inputs))
+            plans = [plans[id(c)] if plans is not None else self._plan(c) for c in cands]
+            keep = self._shared_rows(plans)
+            inputs = [c.gen.spec_input(p.drafts[:k]) if k else c.gen.plain_input()
+                      for c, p, k in zip(cands, plans, keep)]
+            out = self.engine.forward_batch(inputs, hidden=spec, share=_shared_prompts(cands, inputs),
+                                            all_logits=any(keep))
         except Exception as e:
             log.exception("a batched pass failed (model %s)", self.name)
             for c in cands:
                 self._stop_request(c.req, "failed", f"generation failed: {type(e).__name__}: {e}")
             return
         for tier in {c.req.tier for c in cands}:
-            self.metrics.batched_rows.labels(self.name, tier).inc(sum(c.req.tier == tier for c in cands))
+            self.metrics.batched_rows.labels(self.name, tier).inc(sum(1 + k for c, k in zip(cands, keep)
+                                                                      if c.req.tier == tier))
         logits, feats = out if spec else (out, None)
-        for i, (c, row) in enumerate(zip(cands, logits)):
+        at = 0
+        for c, plan, k in zip(cands, plans, keep):
+            rows = slice(at, at + 1 + k) if any(keep) else slice(at, at + 1)
+            at = rows.stop
             if c.state == "active" and not c.req.cancelled:
-                self._step(c, row, None if feats is None else feats[i:i + 1])
+                self._step(c, logits[rows] if plan is not None else logits[rows][0],
+                           None if feats is None else feats[at - 1 - k:at], plan, k)
+
+    def _shared_rows(self, plans: list) -> list[int]:
+        """How many drafts of each plan a shared pass verifies (`speculative.share_rows`; none before r(k) is
+        measured)."""
+        r = getattr(self.engine, "r_table", None)
+        if not r or not any(p is not None and p.drafts for p in plans):
+            return [0] * len(plans)
+        return share_rows(plans, r)
+
+    def _plan(self, c: Candidate):
+        """c's drafts for a shared pass (None: it has none to offer, or must not draft)."""
+        plan = getattr(c.gen, "draft_plan", None)
+        if plan is None or c.req.tier != "ultrafast" or c.state != "active" or c.req.cancelled:
+            return None
+        return plan()
 
     # ---- ultrafast candidates decoding together (n > 1, or several ultrafast requests)
 
@@ -515,21 +544,24 @@ class ModelWorker:
         """Whether c's request still has candidates waiting for c's prefill (n > 1), which may batch with it."""
         return self._batch and any(x.state == "pending" for x in c.req.candidates)
 
-    def _batch_rate(self, group: list[Candidate]) -> float:
-        """Tokens per step-time of one batched plain pass for the group, by the engine's measured r(k): m rows in
-        one pass cost r(m) steps (0.0 before r(k) is measured)."""
+    def _batch_rate(self, group: list[Candidate], plans: dict | None = None) -> float:
+        """Expected tokens per step-time of one batched pass for the group, by the engine's measured r(k): m
+        rows cost r(m) steps, and with their plans the drafts the pass would keep (`_shared_rows`) add their
+        rows and their expected tokens (0.0 before r(k) is measured)."""
         r = getattr(self.engine, "r_table", None)
         if not r:
             return 0.0
-        m = len(group)
-        return m / (r[min(m, len(r) - 1)] * max(1.0, m / (len(r) - 1)))
+        got = [plans.get(id(c)) for c in group] if plans else [None] * len(group)
+        keep = self._shared_rows(got)
+        tokens = len(group) + sum(sum(p.values[:k]) for p, k in zip(got, keep) if k)
+        return tokens / batch_cost(r, len(group) + sum(keep))
 
-    def _batch_pays(self, group: list[Candidate]) -> bool:
-        """Whether one batched plain pass for the group yields more tokens per unit of time than the candidates'
-        own speculative passes do (the measured tokens per step-time of those that have speculated; 1.0, a
-        plain step's, before any has)."""
+    def _batch_pays(self, group: list[Candidate], plans: dict | None = None) -> bool:
+        """Whether one batched pass for the group (with the drafts it would keep) yields more tokens per unit of
+        time than the candidates' own speculative passes do (the measured tokens per step-time of those that
+        have speculated; 1.0, a plain step's, before any has)."""
         rates = [c.spec_rate for c in group if c.spec_passes]
-        return self._batch_rate(group) > 1.05 * (sum(rates) / len(rates) if rates else 1.0)
+        return self._batch_rate(group, plans) > 1.05 * (sum(rates) / len(rates) if rates else 1.0)
 
     def _probe(self, together: list[Candidate]) -> Candidate | None:
         """Count a batched round; when the group's probe is due, the candidate to probe: one whose last probe
@@ -553,9 +585,10 @@ class ModelWorker:
         c.probe_won = c.spec_rate * 1.05 >= batch_rate
         self._probe_wait = self.BATCH_PROBE if c.probe_won else min(self.BATCH_PROBE_MAX, 2 * self._probe_wait)
 
-    def _step(self, c: Candidate, logits=None, features=None) -> None:
-        """Prefill c, or advance it one pass (its own, or its row of a batched pass, with the row's features
-        when its stepper reads them)."""
+    def _step(self, c: Candidate, logits=None, features=None, plan=None, keep: int = 0) -> None:
+        """Prefill c, or advance it one pass (its own, or its rows of a batched pass, with their features
+        when its stepper reads them: its plain step's row, or with `plan` its last token's and its first `keep`
+        drafts')."""
         req, g = c.req, c.gen
         try:
             if not c.prefilled:
@@ -569,6 +602,8 @@ class ModelWorker:
                     rate = (stats.emitted - emitted) / (stats.spent - spent)
                     c.spec_rate = rate if not c.spec_passes else 0.7 * c.spec_rate + 0.3 * rate
                     c.spec_passes += 1
+            elif plan is not None:
+                g.advance_rows(plan, keep, logits, features)
             else:
                 g.advance(logits, features)
         except Exception as e:
