@@ -160,6 +160,21 @@ def test_streaming_equals_non_streaming(env):
     assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: its rows were reused
 
 
+def test_cache_salt_keeps_prompt_rows_apart(env):
+    """`cache_salt` (vLLM's name): a prompt's KV rows are reused by a request of the same key and salt, never by
+    one with another salt or none; the text is the same either way; an empty salt is a 400."""
+    msgs = [{"role": "user", "content": "Name the largest planet of the solar system, in one word."}]
+    first = chat(env, messages=msgs, extra_body={"cache_salt": "run-a"})
+    again = chat(env, messages=msgs, extra_body={"cache_salt": "run-a"})
+    other = chat(env, messages=msgs, extra_body={"cache_salt": "run-b"})
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert (other.usage.prompt_tokens_details.cached_tokens or 0) == 0
+    assert first.choices[0].message.content == again.choices[0].message.content == other.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(env, messages=msgs, extra_body={"cache_salt": ""})
+    assert e.value.body["param"] == "cache_salt"
+
+
 def test_continuous_usage_stats(env):
     """vLLM's stream option: every chunk carries the usage so far; the tokens counted grow by one per token."""
     full = chat(env, max_tokens=16, service_tier="ultrafast")

@@ -14,6 +14,7 @@ import asyncio
 import json
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -66,12 +67,15 @@ async def _run(base_url: str, api_key: str, model: str, name: str, msgs: list, t
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=3600)
     sem = asyncio.Semaphore(concurrency)
     usages = []
+    # this tier's run reuses only its own prompts' KV rows, never those the other tier's run left in the slots
+    # (the agent set's six prompts fit six slots: the second tier found them all cached)
+    salt = f"suite-{tier}-{uuid.uuid4().hex}"
 
     async def one(i: int, m: list[dict]):
         async with sem:
             t0 = time.perf_counter()
             r = await client.chat.completions.create(model=model, messages=m, temperature=0, max_tokens=max_tokens,
-                                                     service_tier=tier)
+                                                     service_tier=tier, extra_body={"cache_salt": salt})
             u = r.usage
             cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
             usages.append((u.prompt_tokens, cached or 0, u.completion_tokens))

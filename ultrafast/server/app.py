@@ -628,7 +628,7 @@ async def _run(request: Request, srv: Server, worker, who: Principal, tier: str,
 
     req = GenRequest(model=worker.name, tier=tier, endpoint=endpoint, principal=who, prompts=prompts,
                      make_params=_params_factory(body, max_tokens, top_logprobs, plan.grammar), n=body.n, emit=emit,
-                     id=req_id)
+                     id=req_id, cache_salt=body.cache_salt)
     reservation = None
     if who.tpm is not None:  # a database transaction: off the event loop
         reservation = await asyncio.to_thread(srv.limiter.admit, who, sum(len(p) for p in prompts))

@@ -154,6 +154,9 @@ class _Sampling(_Request):
     guided_regex: Optional[NonEmptyStr] = None
     guided_grammar: Optional[NonEmptyStr] = None
     guided_choice: Optional[Annotated[list[str], Field(min_length=1)]] = None
+    cache_salt: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        None, description="KV rows are reused only between requests of the same key and the same salt (vLLM's "
+                          "name): a client isolates its runs, or keeps one run's prompts from warming another's")
 
 
 class ChatCompletionRequest(_Sampling):

@@ -16,7 +16,8 @@ Prefix caching: a new candidate goes to the free slot whose `cache.tokens` share
 with its prompt (an agent re-sending its growing conversation prefills only the new part); the engine
 reuses those rows and reports them as cached tokens. A slot's rows serve only the tenant (API key; the
 local user is one tenant) whose prompt wrote them: a slot taken by another tenant forgets its rows first,
-so neither `cached_tokens` nor the time to the first token tells one key anything of another's prompts.
+so neither `cached_tokens` nor the time to the first token tells one key anything of another's prompts. A
+request's `cache_salt` (vLLM's name) narrows that to the requests of one key with the same salt.
 
 n > 1: the candidates of one prompt share its prefill. The first one is admitted alone; once it has
 prefilled, each sibling copies the prompt's KV rows into its own slot (`dst.k[:, :, :m] = src.k[:, :, :m]`,
@@ -64,7 +65,8 @@ class Slot:
     cache: Any  # KVCache
     owner: "Candidate | None" = None
     last_used: float = 0.0
-    tenant: str | None = None  # whose prompt wrote the rows in `cache` (Principal.key_id; None: the local user)
+    # whose prompt wrote the rows in `cache`: (Principal.key_id, None: the local user; the request's cache_salt)
+    tenant: tuple = (None, None)
 
 
 @dataclass
@@ -128,6 +130,7 @@ class GenRequest:
     source: dict = field(default_factory=dict)  # group -> the candidate that prefilled it
     # group -> the logits of its prompt's last row, from the source's prefill, while siblings have yet to start
     prompt_logits: dict = field(default_factory=dict)
+    cache_salt: str | None = None  # KV rows are reused only between requests of one key and one salt
 
     def __post_init__(self):
         i = 0
@@ -370,7 +373,7 @@ class ModelWorker:
                             break
                         ultra_held += 1
                     del dq[i]
-                    tenant = c.req.principal.key_id
+                    tenant = (c.req.principal.key_id, c.req.cache_salt)
                     slot = max(free, key=lambda s: (s.cache.reusable_prefix(c.prompt_ids) if s.tenant == tenant
                                                     else 0, -s.last_used))
                     free.remove(slot)
