@@ -430,7 +430,7 @@ class ModelWorker:
         ultra = [c for c in self._active if c.req.tier == "ultrafast"]
         ultra_live = [c for c in ultra if live(c)]
         together = self._batchable(ultra_live)
-        plans = {id(c): self._plan(c) for c in together}  # what each would draft in the shared pass
+        plans = self._plans(together)  # what each would draft in the shared pass
         probe, batch_rate = None, 0.0
         batching = bool(together) and self._batch_pays(together, plans)
         # Candidates that will batch together from the next round (a request's n candidates in its first
@@ -484,7 +484,7 @@ class ModelWorker:
             return
         spec = _hidden_spec(cands[0])
         try:
-            plans = [plans[id(c)] if plans is not None else self._plan(c) for c in cands]
+            plans = [(plans if plans is not None else self._plans(cands)).get(id(c)) for c in cands]
             keep = self._shared_rows(plans)
             inputs = [c.gen.spec_input(p.drafts[:k]) if k else c.gen.plain_input()
                       for c, p, k in zip(cands, plans, keep)]
@@ -514,6 +514,17 @@ class ModelWorker:
         if not r or not any(p is not None and p.drafts for p in plans):
             return [0] * len(plans)
         return share_rows(plans, r)
+
+    def _plans(self, cands: list[Candidate]) -> dict:
+        """The candidates' plans by id; none where no draft could pay in their shared pass: where even drafts
+        sure to be accepted yield fewer tokens per unit of cost than the pass's plain rows (a pass of ten rows
+        on this CPU is bound by its multiplies), asking the lookups would only cost their time."""
+        r = getattr(self.engine, "r_table", None)
+        m = len(cands)
+        if not r or not m or not any(
+                (m + n) / batch_cost(r, m + n) > 1.02 * m / batch_cost(r, m) for n in range(1, len(r) - 1)):
+            return {}
+        return {id(c): self._plan(c) for c in cands}
 
     def _plan(self, c: Candidate):
         """c's drafts for a shared pass (None: it has none to offer, or must not draft)."""
