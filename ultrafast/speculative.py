@@ -22,6 +22,10 @@ of each path; the stepper keeps the prefix of that ranking that maximises expect
 (1 + c * sum of the kept nodes' likelihoods) / (r(n + 1) + the drafting's cost), c calibrating the drafter's
 likelihoods to what verification accepted so far, and verifies the tree in one forward (`token_tree.py`).
 The lookups' matches join that tree (`token_tree.graft`), each token at its match class's acceptance rate.
+
+Generations that decode together (a server's concurrent requests, best-of-n candidates) share passes: each
+offers its lookups' best chain (`SpeculativeStepper.batch_plan`), the pass keeps the drafts that pay for their
+rows across all of them (`share_rows`), and each verifies its own rows (`verify_rows`).
 """
 
 from __future__ import annotations

@@ -24,8 +24,10 @@ prefilled, each sibling copies the prompt's KV rows into its own slot (`dst.k[:,
 same for v, then `dst.tokens`) and takes its first token from the logits the first one computed for the prompt's
 last row (kept until the siblings have started): its prefill runs no forward (without those logits: one token).
 
-Ultrafast candidates decode together too, in batched plain passes, while those pay more than their own
-speculative passes (by the engine's measured r(k) and each candidate's measured tokens per step-time): the
+Ultrafast candidates decode together too, in batched passes, while those pay more than their own
+speculative passes (by the engine's measured r(k) and each candidate's measured tokens per step-time). Each
+offers its lookups' drafts to the batched pass, which keeps those that pay for their rows
+(`speculative.share_rows`) and lets each candidate verify its own rows; the
 first candidate of such a request prefills and waits for its siblings, and the group batches from the round
 after their prefills. Now and then one candidate speculates alone (a probe) to re-measure its drafts; the
 group probes on one clock that backs off while probes lose to the batch (`_probe`).
