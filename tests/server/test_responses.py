@@ -62,13 +62,14 @@ def test_request_becomes_a_chat_request():
     body = ResponsesRequest.model_validate({
         "model": "m", "input": "hi", "tools": [PRICE], "tool_choice": {"type": "function", "name": "get_price"},
         "text": {"format": {"type": "json_schema", "name": "p", "schema": {"type": "object"}, "strict": True}},
-        "max_output_tokens": 9, "temperature": 0, "seed": 3, "top_k": 5, "unknown_field": 1})
+        "max_output_tokens": 9, "temperature": 0, "seed": 3, "top_k": 5, "cache_salt": "run-1", "unknown_field": 1})
     chat = to_chat_request(body, to_messages(body.instructions, input_items(body)))
     assert chat.messages[0].content == "hi" and chat.max_completion_tokens == 9 and chat.temperature == 0
     assert chat.tools[0].function.name == "get_price" and chat.tools[0].function.parameters == PRICE["parameters"]
     assert chat.tool_choice.function.name == "get_price"
     assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.schema_ == {"type": "object"}
-    assert chat.seed == 3 and chat.top_k == 5  # sampling extensions pass through; unknown fields do not
+    assert chat.seed == 3 and chat.top_k == 5 and chat.cache_salt == "run-1"  # extensions pass through; unknown
+    # fields do not
     assert "unknown_field" not in (chat.model_extra or {})
     with pytest.raises(InvalidRequest) as e:
         to_chat_request(ResponsesRequest.model_validate({"model": "m", "input": "x", "top_k": -1}), [])

@@ -5,7 +5,8 @@ model whose chat template has none) are refused with 400.
 
 Extensions beyond OpenAI's fields: `service_tier` takes `standard`, `ultrafast` or `auto`; sampling
 extras `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and constrained decoding's `structured_outputs`
-(`json`, `regex`, `grammar`, `choice`) with its older `guided_*` spellings (as vLLM names them); responses carry
+(`json`, `regex`, `grammar`, `choice`) with its older `guided_*` spellings (as vLLM names them), and vLLM's
+`cache_salt` (KV rows reused only between requests of one key and one salt); responses carry
 `time_info` (as Cerebras': queue, prompt, completion and total time, plus decode tokens/s and tau).
 """
 

@@ -31,10 +31,11 @@ from .protocol import ChatCompletionRequest, ResponsesRequest
 
 log = logging.getLogger("ultrafast.server")
 
-# sampling extensions a Responses request may carry (extra_body), passed to the chat request as they are
+# sampling extensions (and vLLM's cache_salt) a Responses request may carry (extra_body), passed to the chat request
+# as they are
 _SAMPLING_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                     "logit_bias", "ignore_eos", "stop", "structured_outputs", "guided_json", "guided_regex",
-                    "guided_grammar", "guided_choice")
+                    "guided_grammar", "guided_choice", "cache_salt")
 # chat parameters -> the Responses parameters they came from (for a 400's `param`)
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 
