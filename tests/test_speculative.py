@@ -393,7 +393,7 @@ def test_a_shared_pass_keeps_the_drafts_that_pay_for_their_rows():
     """share_rows: the most valuable drafts of all plans (a prefix of each chain), as many as maximise expected
     tokens per unit of the pass's cost; none where rows cost too much for what the drafts are worth; a probe's
     first draft whatever it is worth."""
-    from ultrafast.speculative import DraftPlan, batch_cost, share_rows
+    from ultrafast.speculative import DraftPlan, batch_cost, drafts_may_pay, share_rows
 
     def plan(rate, n, probe=False):
         return DraftPlan(None, list(range(n)), 1, [rate ** j for j in range(1, n + 1)], probe)
@@ -417,3 +417,5 @@ def test_a_shared_pass_keeps_the_drafts_that_pay_for_their_rows():
     assert share_rows([plan(0.05, 3, probe=True), plan(0.05, 3)], dear) == [1, 0]
     # beyond the measured r(k), a pass costs its rows at the largest k's rate
     assert batch_cost(cheap, 34) == cheap[17] * 2
+    # where even sure drafts cannot beat the plain rows, the drafters need not be asked
+    assert drafts_may_pay(3, cheap) and not drafts_may_pay(3, dear) and not drafts_may_pay(0, cheap)

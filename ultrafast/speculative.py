@@ -305,13 +305,8 @@ class SpeculativeStepper:
         with the best expected gain, or None if none beats a plain step (but on a probe, one token from the
         first that proposed anything)."""
         best, first = None, None
-        for d in lookups:
-            drafts = d.propose(context, limit, sampler)[:limit]
-            if not drafts:
-                continue
-            cls = lookup_class(d)
+        for d, drafts, cls, rate in self._lookup_proposals(lookups, context, sampler, limit):
             first = first or (d, drafts[:1], cls, None)
-            rate = self.stats.by_drafter[d.name].rates.get(cls, DrafterStats.rate)
             k, gain = self._best_k_gain(rate, len(drafts))
             if k and (best is None or gain > best[0]):
                 best = (gain, (d, drafts[:k], cls, None))
@@ -320,6 +315,14 @@ class SpeculativeStepper:
         if first is not None and self._plain_run >= self.probe_interval():
             return first
         return None
+
+    def _lookup_proposals(self, lookups: list, context, sampler, limit: int):
+        """(drafter, drafts, match class, its acceptance rate) for each lookup that proposes something."""
+        for d in lookups:
+            drafts = d.propose(context, limit, sampler)[:limit]
+            if drafts:
+                cls = lookup_class(d)
+                yield d, drafts, cls, self.stats.by_drafter[d.name].rates.get(cls, DrafterStats.rate)
 
     def _draft_tree(self, d, context, sampler, limit: int, tree_cost: float):
         """The drafter's ranked tree, the lookups' matches grafted on (each token at its match class's
@@ -387,16 +390,12 @@ class SpeculativeStepper:
         if limit < 1 or self.fixed_k is not None:
             return DraftPlan(None, [], 0, [])
         best = None
-        for d in self.drafters:
-            if not _is_lookup(d):
-                continue
-            drafts = d.propose(sampler.history, limit, sampler)[:limit]
-            if drafts and getattr(sampler, "constraint", None) is not None:
+        lookups = [d for d in self.drafters if _is_lookup(d)]
+        for d, drafts, cls, rate in self._lookup_proposals(lookups, sampler.history, sampler, limit):
+            if getattr(sampler, "constraint", None) is not None:
                 drafts, _ = sampler.cut(drafts, None)
-            if not drafts:
-                continue
-            cls = lookup_class(d)
-            rate = self.stats.by_drafter[d.name].rates.get(cls, DrafterStats.rate)
+                if not drafts:
+                    continue
             values = [rate ** j for j in range(1, len(drafts) + 1)]
             if best is None or sum(values) > sum(best.values):
                 best = DraftPlan(d, drafts, cls, values)
@@ -458,7 +457,18 @@ class DraftPlan:
     probe: bool = False
 
 
-def share_rows(plans: list[DraftPlan | None], r: list[float], margin: float = 1.02) -> list[int]:
+SHARE_MARGIN = 1.02  # a shared pass drafts only when that beats its plain rows by this factor
+
+
+def drafts_may_pay(m: int, r: list[float]) -> bool:
+    """Whether any drafts could pay in a pass shared by m generations: whether some number of extra rows, each
+    a draft sure to be accepted, beats the plain rows by SHARE_MARGIN (where none can, as in a pass of ten
+    rows bound by the multiplies, asking the drafters would only cost their time)."""
+    return m > 0 and any((m + n) / batch_cost(r, m + n) > SHARE_MARGIN * m / batch_cost(r, m)
+                         for n in range(1, len(r) - 1))
+
+
+def share_rows(plans: list[DraftPlan | None], r: list[float], margin: float = SHARE_MARGIN) -> list[int]:
     """How many of each plan's drafts to verify in one pass shared by len(plans) generations (None: one that
     drafts nothing). Every generation's row for its last token is in the pass; each further row is a draft worth
     its value in expected tokens (a chain's values fall with depth, so taking the largest values takes a prefix

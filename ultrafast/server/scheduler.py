@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
-from ..speculative import batch_cost, share_rows
+from ..speculative import batch_cost, drafts_may_pay, share_rows
 from .auth import Principal
 from .rate_limit import RateLimiter
 from .errors import QueueFull, Unavailable
@@ -433,18 +433,18 @@ class ModelWorker:
         ultra_live = [c for c in ultra if live(c)]
         together = self._batchable(ultra_live)
         plans = self._plans(together)  # what each would draft in the shared pass
-        probe, batch_rate = None, 0.0
-        batching = bool(together) and self._batch_pays(together, plans)
+        probe = None
+        batch_rate = self._batch_rate(together, plans) if together else 0.0
+        batching = bool(together) and self._batch_pays(together, batch_rate)
         # Candidates that will batch together from the next round (a request's n candidates in its first
         # rounds): the fresh ones prefill only, as they do once a batch is running, and those already prefilled
         # wait for them rather than speculate alone (n = 10: ten candidates' lone passes before the first batch)
         joinable = [] if batching else self._batchable(ultra_live, prefilled=False)
-        joining = any(not c.prefilled for c in joinable) and self._batch_pays(joinable)
+        joining = any(not c.prefilled for c in joinable) and self._batch_pays(joinable, self._batch_rate(joinable))
         waiting = {id(c) for c in joinable if c.prefilled} if joining else set()
         if batching:
             # now and then one of them speculates alone, so that drafts that start paying (text that repeats)
             # are seen (`_probe`)
-            batch_rate = self._batch_rate(together, plans)
             probe = self._probe(together)
             group = [c for c in together if c is not probe]
             for i in range(self.ultrafast_weight):  # the first pass takes the plans judged above
@@ -503,7 +503,7 @@ class ModelWorker:
         logits, feats = out if spec else (out, None)
         at = 0
         for c, plan, k in zip(cands, plans, keep):
-            rows = slice(at, at + 1 + k) if any(keep) else slice(at, at + 1)
+            rows = slice(at, at + 1 + k)
             at = rows.stop
             if c.state == "active" and not c.req.cancelled:
                 self._step(c, logits[rows] if plan is not None else logits[rows][0],
@@ -522,9 +522,7 @@ class ModelWorker:
         sure to be accepted yield fewer tokens per unit of cost than the pass's plain rows (a pass of ten rows
         on this CPU is bound by its multiplies), asking the lookups would only cost their time."""
         r = getattr(self.engine, "r_table", None)
-        m = len(cands)
-        if not r or not m or not any(
-                (m + n) / batch_cost(r, m + n) > 1.02 * m / batch_cost(r, m) for n in range(1, len(r) - 1)):
+        if not r or not drafts_may_pay(len(cands), r):
             return {}
         return {id(c): self._plan(c) for c in cands}
 
@@ -572,12 +570,12 @@ class ModelWorker:
         tokens = len(group) + sum(sum(p.values[:k]) for p, k in zip(got, keep) if k)
         return tokens / batch_cost(r, len(group) + sum(keep))
 
-    def _batch_pays(self, group: list[Candidate], plans: dict | None = None) -> bool:
-        """Whether one batched pass for the group (with the drafts it would keep) yields more tokens per unit of
-        time than the candidates' own speculative passes do (the measured tokens per step-time of those that
-        have speculated; 1.0, a plain step's, before any has)."""
+    def _batch_pays(self, group: list[Candidate], batch_rate: float) -> bool:
+        """Whether one batched pass for the group, yielding `batch_rate` (`_batch_rate`, with the drafts it would
+        keep), yields more tokens per unit of time than the candidates' own speculative passes do (the measured
+        tokens per step-time of those that have speculated; 1.0, a plain step's, before any has)."""
         rates = [c.spec_rate for c in group if c.spec_passes]
-        return self._batch_rate(group, plans) > 1.05 * (sum(rates) / len(rates) if rates else 1.0)
+        return batch_rate > 1.05 * (sum(rates) / len(rates) if rates else 1.0)
 
     def _probe(self, together: list[Candidate]) -> Candidate | None:
         """Count a batched round; when the group's probe is due, the candidate to probe: one whose last probe
