@@ -34,6 +34,8 @@ def test_bench_report(smollm_path):
         # is not asserted, the formula and the monotonicity are)
         arith = mp["arithmetic_macs_per_s"]
         assert arith > 0
+        # SmolLM2's Q4_1 linears run on a paired layout (Q4_1_R16)
+        assert 0.0 < mp["paired_share"] <= 1.0
         for k in (1, 2, 3, 4):
             want = max(t_mem, k * mp["macs_per_token"] / arith) / max(t_mem, mp["macs_per_token"] / arith)
             assert mp["arithmetic_r_k"][k] == pytest.approx(want)

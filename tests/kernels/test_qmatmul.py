@@ -220,6 +220,15 @@ def test_multiply_peak():
     assert set(p.products_per_s) == {16, 8}
     for bits in (16, 8):
         assert p.products_per_s[bits] > 1e6 and p.arithmetic_macs_per_s(bits) == 128 * p.products_per_s[bits]
+    # the paired layouts' 512-value products: all the multiply-adds there gives their rate, a share of them the time of
+    # each part at its rate
+    assert set(p.paired_products_per_s) == {16, 8}
+    for bits in (16, 8):
+        kq, pa = 128 * p.products_per_s[bits], 512 * p.paired_products_per_s[bits]
+        assert p.paired_products_per_s[bits] > 1e5 and p.arithmetic_macs_per_s(bits, 1.0) == pytest.approx(pa)
+        assert p.arithmetic_macs_per_s(bits, 0.7) == pytest.approx(1 / (0.3 / kq + 0.7 / pa))
+    with pytest.raises(ValueError, match="paired_share"):
+        p.arithmetic_macs_per_s(8, 1.5)
     # what an fp32 FMA costs beside vpdpbusd, in their slots: ~1 on Zen 4, ~0 where the pipes differ; never more than
     # the 12 / 6 = 2 that would mean the FMAs alone took longer than the vpdpbusd loop they ride beside, plus noise
     assert 0.0 <= p.fma_cost < 3.0

@@ -57,7 +57,7 @@ __all__ = [
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "SUPPORTED_TYPES",
     "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
     "avx512_active", "vnni_supported", "set_force_scalar", "KernelBuildError", "decoder_block", "decoder_stack", "silu_mul", "path_in_use", "set_kernels_path",
-    "multiply_peak", "MultiplyPeak", "fma_peak", "Q4_0_R16", "Q4_1_R16", "Q5_0_R16", "Q8_0_R16", "Q4_K_R2", "Q6_K_R16",
+    "multiply_peak", "MultiplyPeak", "fma_peak", "paired_macs", "PAIRED_LAYOUTS", "Q4_0_R16", "Q4_1_R16", "Q5_0_R16", "Q8_0_R16", "Q4_K_R2", "Q6_K_R16",
     "repack_vnni", "vnni_layout", "sample_row",
 ]
 
@@ -243,15 +243,24 @@ class MultiplyPeak:
     # register operands, 12 groups in flight), by activation bits: the ceiling of the numerics, below the bare
     # multiply peak where the fp32 step shares the multiply units (Zen 4)
     products_per_s: dict[int, float]
+    # 512-value products per second with the arithmetic of the layouts of eight weight vectors a row (Q4_K in pairs:
+    # 8 vpdpbusd, then convert, scale multiply, fma and the mins' fnmadd; int16: 16 vpdpbusd in two chains), the
+    # same way: their ceiling, where the K-quant group above is Q6_K's and the file layouts'
+    paired_products_per_s: dict[int, float]
     # vpdpbusd slots one fp32 FMA (or multiply) takes beside them: ~1 where they share the multiply pipes (Zen 4, whose
     # 512-bit FMAs and vpdpbusd both run on its two 256-bit multiply pipes), ~0 where they do not; with the kernels'
     # 2 fp32 multiplies per 4-8 vpdpbusd it is why products_per_s stays below the bare peak
     fma_cost: float
 
-    def arithmetic_macs_per_s(self, act_bits: int) -> float:
+    def arithmetic_macs_per_s(self, act_bits: int, paired_share: float = 0.0) -> float:
+        """Multiply-adds per second at the kernels' arithmetic for a model whose `paired_share` of multiply-adds run
+        on the paired layouts (`paired_macs`), the rest as K-quant groups: the time of each share at its rate."""
         if act_bits not in (8, 16):
             raise ValueError(f"act_bits must be 16 or 8, got {act_bits!r}")
-        return 128.0 * self.products_per_s[act_bits]
+        if not 0.0 <= paired_share <= 1.0:
+            raise ValueError(f"paired_share must be in [0, 1], got {paired_share!r}")
+        kquant, paired = 128.0 * self.products_per_s[act_bits], 512.0 * self.paired_products_per_s[act_bits]
+        return 1.0 / ((1.0 - paired_share) / kquant + paired_share / paired)
 
     @property
     def int8_macs_per_s(self) -> float:
@@ -279,8 +288,20 @@ def multiply_peak(threads: int | None = None, iters: int = 10_000_000, reps: int
         return None
     # a product is 6-10 instructions where a chain step is one: a tenth of the iterations takes as long
     products = {bits: float(ext.vnni_product_peak(threads, max(1, int(iters) // 10), int(reps), bits)) for bits in (16, 8)}
+    paired = {bits: float(ext.vnni_paired_peak(threads, max(1, int(iters) // 20), int(reps), bits)) for bits in (16, 8)}
     fma_cost = float(ext.vnni_fma_cost(threads, max(1, int(iters) // 4), int(reps)))
-    return MultiplyPeak(threads, rate, products, fma_cost)
+    return MultiplyPeak(threads, rate, products, paired, fma_cost)
+
+
+PAIRED_LAYOUTS = frozenset({Q4_0_R16, Q4_1_R16, Q5_0_R16, Q8_0_R16, Q4_K_R2})  # eight weight vectors a row and group
+
+
+def paired_macs(model) -> int:
+    """Multiply-adds per token of the model's packed linears that the VNNI kernels run on the paired layouts
+    (PAIRED_LAYOUTS: one fp32 step per 512 values), its LM head included."""
+    return sum(m.in_features * m.out_features for m in model.modules()
+               if isinstance(getattr(m, "qtype", None), int) and hasattr(m, "in_features")
+               and vnni_layout(m.qtype) in PAIRED_LAYOUTS)
 
 
 def fma_peak(threads: int | None = None, iters: int = 10_000_000, reps: int = 3) -> float | None:

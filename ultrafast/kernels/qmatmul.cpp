@@ -459,6 +459,16 @@ double vnni_product_peak(int64_t threads, int64_t iters, int64_t reps, int64_t a
   return 2.0 * best_rate(threads, iters, reps, [x8](int64_t n) { return vnni_product_chains(n, x8); });
 }
 
+// 512-value products per second with the arithmetic of the layouts of eight weight vectors a row (Q4_K in pairs:
+// 8 vpdpbusd, then convert, scale multiply, fma and the mins' fnmadd; see vnni_paired_chains). 0 without VNNI.
+double vnni_paired_peak(int64_t threads, int64_t iters, int64_t reps, int64_t act_bits) {
+  TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "vnni_paired_peak: threads, iters and reps must be >= 1");
+  TORCH_CHECK_VALUE(act_bits == 16 || act_bits == 8, "vnni_paired_peak: act_bits must be 16 or 8");
+  if (!(avx512_usable() && vnni_usable())) return 0.0;
+  const bool x8 = act_bits == 8;
+  return best_rate(threads, iters, reps, [x8](int64_t n) { return vnni_paired_chains(n, x8); });
+}
+
 // vpdpbusd slots one fp32 FMA takes beside them on `threads` threads (best of `reps` runs of `iters` loops each with
 // and without 6 FMAs per 12 vpdpbusd; see vnni_fma_beside): ~1 where the FMAs share the multiply pipes, ~0 where
 // not. 0 without VNNI.
@@ -560,6 +570,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("threads"), py::arg("iters") = 10000000, py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
   m.def("vnni_product_peak", &ultrafast::vnni_product_peak,
         "128-value products per second with the kernels' arithmetic on `threads` threads (0: no VNNI)",
+        py::arg("threads"), py::arg("iters"), py::arg("reps"), py::arg("act_bits"), py::call_guard<py::gil_scoped_release>());
+  m.def("vnni_paired_peak", &ultrafast::vnni_paired_peak,
+        "512-value products per second with the paired layouts' arithmetic on `threads` threads (0: no VNNI)",
         py::arg("threads"), py::arg("iters"), py::arg("reps"), py::arg("act_bits"), py::call_guard<py::gil_scoped_release>());
   m.def("vnni_fma_cost", &ultrafast::vnni_fma_cost,
         "vpdpbusd slots one fp32 FMA takes beside them on `threads` threads (0: no VNNI)", py::arg("threads"),

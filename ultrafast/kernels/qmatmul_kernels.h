@@ -154,6 +154,7 @@ int64_t vnni_dpbusd_chains(int64_t n);
 // 32-value-block types issue one fp32 step per 128 values, twice as many). Returns a value derived from the
 // sums.
 int64_t vnni_product_chains(int64_t n, bool x8);
+int64_t vnni_paired_chains(int64_t n, bool x8);  // a paired layout's 512-value group (KQ4K2): 8 vpdpbusd, 3 fp32
 int64_t vnni_fma_beside(int64_t n, bool fma);  // 12 vpdpbusd a loop (fma: and 6 fp32 FMAs)
 
 }  // namespace ultrafast

@@ -1070,6 +1070,41 @@ int64_t product_chains(int64_t n) {
 
 int64_t vnni_product_chains(int64_t n, bool x8) { return x8 ? product_chains<true>(n) : product_chains<false>(n); }
 
+// The same for a group of the layouts with eight weight vectors a row (KQ4K2, KB16): one 512-value product is 8
+// vpdpbusd (int16 x: 16, in the high and the low bytes' chains, joined), one convert, one scale multiply, one fma and
+// Q4_K's fnmadd for the mins (8 vpdpbusd and 3 multiply-pipe operations where product_chains' K-quant group has 4
+// and 2 a 256-value product). Register operands, 12 groups in flight, nothing hoisted (as product_chains).
+template <bool X8>
+int64_t paired_chains(int64_t n) {
+  __m512i w[8], x[8];
+  for (int v = 0; v < 8; ++v) w[v] = _mm512_set1_epi8((char)(3 + v)), x[v] = _mm512_set1_epi8((char)(7 + v));
+  __m512 d = _mm512_set1_ps(1e-9f), s = _mm512_set1_ps(1.0f), m = _mm512_set1_ps(1e-9f), xsf = _mm512_set1_ps(1.0f);
+  __m512 a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps((float)i);
+  for (int64_t it = 0; it < n; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) {
+      __asm__ volatile("" : "+v"(x[0]), "+v"(w[0]), "+v"(d), "+v"(s), "+v"(m), "+v"(xsf));
+      __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[0]);
+#pragma GCC unroll 8
+      for (int v = 1; v < 8; ++v) ih = _mm512_dpbusd_epi32(ih, w[v], x[v]);
+      if constexpr (!X8) {
+        __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[7]);
+#pragma GCC unroll 8
+        for (int v = 1; v < 8; ++v) il = _mm512_dpbusd_epi32(il, w[v], x[7 - v]);
+        ih = _mm512_add_epi32(_mm512_slli_epi32(ih, 8), il);
+      }
+      a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(d, s), a[i]);
+      a[i] = _mm512_fnmadd_ps(m, xsf, a[i]);
+    }
+  }
+  float t = 0.0f;
+  for (int i = 0; i < 12; ++i) t += _mm512_reduce_add_ps(a[i]);
+  return (int64_t)t;
+}
+
+int64_t vnni_paired_chains(int64_t n, bool x8) { return x8 ? paired_chains<true>(n) : paired_chains<false>(n); }
+
 // What an fp32 FMA costs beside vpdpbusd: `n` loops of 12 independent vpdpbusd, and with `fma` also 6 independent fp32
 // FMAs (on zeros: no denormals), written in assembly so that the compiler can neither hoist nor spill them. Where the
 // two share the multiply pipes (Zen 4: each FMA takes one vpdpbusd slot) the loop with FMAs takes 1.5x as long; where
@@ -1130,6 +1165,7 @@ bool qmm_rows_vnni(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_
 }
 int64_t vnni_dpbusd_chains(int64_t) { return 0; }
 int64_t vnni_product_chains(int64_t, bool) { return 0; }
+int64_t vnni_paired_chains(int64_t, bool) { return 0; }
 int64_t vnni_fma_beside(int64_t, bool) { return 0; }
 }  // namespace ultrafast
 
