@@ -1034,11 +1034,16 @@ int64_t vnni_dpbusd_chains(int64_t n) {
   return _mm512_reduce_add_epi32(s);
 }
 
-template <bool X8>
-int64_t product_chains(int64_t n) {
-  __m512i w[4], x[4];
-  for (int v = 0; v < 4; ++v) w[v] = _mm512_set1_epi8((char)(3 + v)), x[v] = _mm512_set1_epi8((char)(7 + v));
-  __m512 d = _mm512_set1_ps(1e-9f), s = _mm512_set1_ps(1.0f);
+// 12 independent groups of kblock's arithmetic, register operands (no loads, no weight decode): per group NV vpdpbusd
+// (int16 x: the high and the low bytes' chains, joined), then its fp step, a convert, a scale multiply and an fma, and
+// with MINS Q4_K's fnmadd for the mins. NV = 4 without mins is a K-quant group of 256 values (two 128-value products:
+// KQ6K, KQ6KR, KQ4K), NV = 8 with mins a paired layout's group of 512 (one product: KQ4K2; KB16's have no fnmadd, or
+// Q4_1's fma). The loop count is what vnni_product_peak and vnni_paired_peak time.
+template <bool X8, int NV, bool MINS>
+int64_t group_chains(int64_t n) {
+  __m512i w[NV], x[NV];
+  for (int v = 0; v < NV; ++v) w[v] = _mm512_set1_epi8((char)(3 + v)), x[v] = _mm512_set1_epi8((char)(7 + v));
+  __m512 d = _mm512_set1_ps(1e-9f), s = _mm512_set1_ps(1.0f), m = _mm512_set1_ps(1e-9f), xsf = _mm512_set1_ps(1.0f);
   __m512 a[12];
   for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps((float)i);
   for (int64_t it = 0; it < n; ++it) {
@@ -1048,19 +1053,21 @@ int64_t product_chains(int64_t n) {
       // folded and hoisted the scale multiply (d_w * s) out of the loop (48 vpdpbusd, 12 fma, no vmulps at int8), and
       // the probe read 80% of the peak where the kernels' instructions, which multiply per product, reach ~66% (on
       // Zen 4 fp32 multiplies and fmas take vpdpbusd's pipes, a vpdpbusd slot each: vnni_fma_beside)
-      __asm__ volatile("" : "+v"(x[0]), "+v"(w[0]), "+v"(d), "+v"(s));
-      // kblock's arithmetic of one K-quant group of 256 values (two 128-value products; register operands, no
-      // loads, no weight decode): the high and low bytes' chains, joined, then one fp step
+      if constexpr (MINS)
+        __asm__ volatile("" : "+v"(x[0]), "+v"(w[0]), "+v"(d), "+v"(s), "+v"(m), "+v"(xsf));
+      else
+        __asm__ volatile("" : "+v"(x[0]), "+v"(w[0]), "+v"(d), "+v"(s));
       __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[0]);
-#pragma GCC unroll 4
-      for (int v = 1; v < 4; ++v) ih = _mm512_dpbusd_epi32(ih, w[v], x[v]);
+#pragma GCC unroll 8
+      for (int v = 1; v < NV; ++v) ih = _mm512_dpbusd_epi32(ih, w[v], x[v]);
       if constexpr (!X8) {
-        __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[3]);
-#pragma GCC unroll 4
-        for (int v = 1; v < 4; ++v) il = _mm512_dpbusd_epi32(il, w[v], x[3 - v]);
+        __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[NV - 1]);
+#pragma GCC unroll 8
+        for (int v = 1; v < NV; ++v) il = _mm512_dpbusd_epi32(il, w[v], x[NV - 1 - v]);
         ih = _mm512_add_epi32(_mm512_slli_epi32(ih, 8), il);
       }
       a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(d, s), a[i]);
+      if constexpr (MINS) a[i] = _mm512_fnmadd_ps(m, xsf, a[i]);
     }
   }
   float t = 0.0f;
@@ -1068,42 +1075,12 @@ int64_t product_chains(int64_t n) {
   return (int64_t)t;
 }
 
-int64_t vnni_product_chains(int64_t n, bool x8) { return x8 ? product_chains<true>(n) : product_chains<false>(n); }
-
-// The same for a group of the layouts with eight weight vectors a row (KQ4K2, KB16): one 512-value product is 8
-// vpdpbusd (int16 x: 16, in the high and the low bytes' chains, joined), one convert, one scale multiply, one fma and
-// Q4_K's fnmadd for the mins (8 vpdpbusd and 3 multiply-pipe operations where product_chains' K-quant group has 4
-// and 2 a 256-value product). Register operands, 12 groups in flight, nothing hoisted (as product_chains).
-template <bool X8>
-int64_t paired_chains(int64_t n) {
-  __m512i w[8], x[8];
-  for (int v = 0; v < 8; ++v) w[v] = _mm512_set1_epi8((char)(3 + v)), x[v] = _mm512_set1_epi8((char)(7 + v));
-  __m512 d = _mm512_set1_ps(1e-9f), s = _mm512_set1_ps(1.0f), m = _mm512_set1_ps(1e-9f), xsf = _mm512_set1_ps(1.0f);
-  __m512 a[12];
-  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps((float)i);
-  for (int64_t it = 0; it < n; ++it) {
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) {
-      __asm__ volatile("" : "+v"(x[0]), "+v"(w[0]), "+v"(d), "+v"(s), "+v"(m), "+v"(xsf));
-      __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[0]);
-#pragma GCC unroll 8
-      for (int v = 1; v < 8; ++v) ih = _mm512_dpbusd_epi32(ih, w[v], x[v]);
-      if constexpr (!X8) {
-        __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[7]);
-#pragma GCC unroll 8
-        for (int v = 1; v < 8; ++v) il = _mm512_dpbusd_epi32(il, w[v], x[7 - v]);
-        ih = _mm512_add_epi32(_mm512_slli_epi32(ih, 8), il);
-      }
-      a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(d, s), a[i]);
-      a[i] = _mm512_fnmadd_ps(m, xsf, a[i]);
-    }
-  }
-  float t = 0.0f;
-  for (int i = 0; i < 12; ++i) t += _mm512_reduce_add_ps(a[i]);
-  return (int64_t)t;
+int64_t vnni_product_chains(int64_t n, bool x8) {
+  return x8 ? group_chains<true, 4, false>(n) : group_chains<false, 4, false>(n);
 }
-
-int64_t vnni_paired_chains(int64_t n, bool x8) { return x8 ? paired_chains<true>(n) : paired_chains<false>(n); }
+int64_t vnni_paired_chains(int64_t n, bool x8) {
+  return x8 ? group_chains<true, 8, true>(n) : group_chains<false, 8, true>(n);
+}
 
 // What an fp32 FMA costs beside vpdpbusd: `n` loops of 12 independent vpdpbusd, and with `fma` also 6 independent fp32
 // FMAs (on zeros: no denormals), written in assembly so that the compiler can neither hoist nor spill them. Where the
