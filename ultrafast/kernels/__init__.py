@@ -300,7 +300,7 @@ def paired_macs(model) -> int:
     """Multiply-adds per token of the model's packed linears that the VNNI kernels run on the paired layouts
     (PAIRED_LAYOUTS: one fp32 step per 512 values), its LM head included."""
     return sum(m.in_features * m.out_features for m in model.modules()
-               if isinstance(getattr(m, "qtype", None), int) and hasattr(m, "in_features")
+               if isinstance(getattr(m, "qtype", None), int) and hasattr(m, "in_features") and hasattr(m, "out_features")
                and vnni_layout(m.qtype) in PAIRED_LAYOUTS)
 
 
