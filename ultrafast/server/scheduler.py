@@ -486,7 +486,8 @@ class ModelWorker:
             return
         spec = _hidden_spec(cands[0])
         try:
-            plans = [(plans if plans is not None else self._plans(cands)).get(id(c)) for c in cands]
+            by_id = plans if plans is not None else self._plans(cands)
+            plans = [by_id.get(id(c)) for c in cands]
             keep = self._shared_rows(plans)
             inputs = [c.gen.spec_input(p.drafts[:k]) if k else c.gen.plain_input()
                       for c, p, k in zip(cands, plans, keep)]
