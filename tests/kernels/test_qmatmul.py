@@ -592,8 +592,8 @@ def test_repacked_same_values(vnni, qtype, act_bits):
 
 
 @pytest.mark.parametrize("act_bits", [16, 8])
-# the rows' x within L1 less 4 KB (tiles of one weight row x up to 16 rows; Q6_K's only with int8 x) or not (2 x 4,
-# Q6_K's 2 x 8);
+# the rows' x within L1 less 4 KB (tiles of one weight row x up to 16 rows) or not (2 x 4); Q6_K's tiles 2 x 8, with
+# int8 x 2 x 12;
 # 4864: Q4_K's 19 super-blocks, the last in the file's layout, Q5_0's 152 blocks, a last group of 8; 576: Q4_1's 18
 # blocks, a last group of 2
 @pytest.mark.parametrize("qtype,k_in", [(uk.Q4_K, 1536), (uk.Q4_K, 4864), (uk.Q4_1, 576), (uk.Q5_0, 4864),

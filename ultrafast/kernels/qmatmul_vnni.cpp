@@ -639,36 +639,33 @@ int64_t l1_bytes() {
   }();
   return bytes;
 }
-// The layouts that take that tile: those with eight weight vectors a group, and Q6_K's with int8 x (four, but a decode
-// of 3 loads, 12 logic ops and the scales' convert for 4 products a row, spread over up to 16 activation rows instead of
-// 4: the 1.5B's LM head (151936 x 1536) took 9.3 ms instead of 11.3-11.5 at k = 8 and 18.2-18.6 instead of 20.8-20.9
-// at k = 16 with 8 rows a tile, `python -m ultrafast.benchmarks.kernel_shapes --activation-bits 8`, alternated with
-// the build before; the down projection, whose x does not fit L1, unchanged; with int16 x no gain, 3% lost at k = 16).
-template <class T, bool X8>
-struct OneRowTiles {
-  static constexpr bool value = T::NVEC > 4;
-};
-template <bool X8>
-struct OneRowTiles<KQ6KR, X8> {
-  static constexpr bool value = X8;
-};
-// Activation rows of the NW_MAX-row tile: 2 * R_MAX for Q6_K (its 4 weight vectors a row leave the registers for 16
-// accumulators, and its decode is spread over twice the rows), R_MAX for the rest. Where Q6_K's x does not fit L1 (the
-// 1.5B's down projection, 1536 x 8960) or its one-row tiles do not run (int16 x), `python -m
-// ultrafast.benchmarks.kernel_shapes`, alternated with the build before: the down projection at int8 0.65 against
-// 0.71-0.74 ms at k = 8 and 1.17-1.22 against 1.25-1.29 at k = 16; at int16 0.81-0.89 against 0.91-0.95 and 1.57-1.70
-// against 1.72-1.74; the LM head at int16 12.1 against 14.5-14.8 ms at k = 8 and 26.2-27.0 against 29.3 at k = 16.
+// The layouts that take that tile: those with eight weight vectors a group (Q6_K's, with four, take two weight rows
+// instead: TileRows).
 template <class T>
+constexpr bool one_row_tiles = T::NVEC > 4;
+// Activation rows of the NW_MAX-row tile: R_MAX for the layouts with eight weight vectors a group (16 of them in
+// registers for the two weight rows), 2 * R_MAX for Q6_K's four (16 accumulators; the 1.5B's down projections, whose
+// x does not fit L1, and the LM head at int16: `python -m ultrafast.benchmarks.kernel_shapes`, alternated with 4, the
+// down projection at int8 0.65 against 0.71-0.74 ms at k = 8, the LM head at int16 12.1 against 14.5-14.8 ms).
+// With int8 x, Q6_K's repacked layout takes 3 * R_MAX (24 accumulators, 8 weight vectors, one x vector and the two
+// chains fill the 32 registers) in place of the one-row tiles it took before: each x vector loaded feeds two
+// products, and a decode (3 loads, 12 logic ops, the scales' convert) twelve. The VNNI unit alone (1 thread, 256 x
+// 1536 Q6_K rows resident in L2, checksums of all outputs unchanged), microseconds a call, one-row tiles against
+// this: k = 5 23.2 / 17.7, 8 30.9 / 26.5, 10 38.1 / 33.0, 12 49.4 / 39.2, 16 62.0 / 55.5; 128 x 8960 at k = 10 109 /
+// 103. The 1.5B's LM head (151936 x 1536, from memory, 2 threads), two runs of `python -m
+// ultrafast.benchmarks.kernel_shapes --activation-bits 8` alternated with the build before: k = 8 8.8 / 9.3 ms
+// against 11.2 / 10.2, k = 10 10.7 / 11.0 against 12.2 / 12.1, k = 16 18.5 / 18.4 against 19.7 / 19.2.
+template <class T, bool X8>
 struct TileRows {
   static constexpr int value = R_MAX;
 };
-template <>
-struct TileRows<KQ6K> {
+template <bool X8>
+struct TileRows<KQ6K, X8> {
   static constexpr int value = 2 * R_MAX;
 };
-template <>
-struct TileRows<KQ6KR> {
-  static constexpr int value = 2 * R_MAX;
+template <bool X8>
+struct TileRows<KQ6KR, X8> {
+  static constexpr int value = X8 ? 3 * R_MAX : 2 * R_MAX;
 };
 
 // One fp32 accumulator per (weight row, activation row). Every tile holds at least two independent outputs
@@ -886,13 +883,13 @@ static inline int64_t rows_per_chunk(int64_t k, int64_t most) {
 }
 
 // The tile and schedule for k activation rows (the tile never changes an output's arithmetic): the layouts of
-// OneRowTiles take one weight row x up to R2_MAX activation rows when k > R_MAX and chunks of more than R_MAX rows
+// one_row_tiles take one weight row x up to R2_MAX activation rows when k > R_MAX and chunks of more than R_MAX rows
 // keep their x within L1 less L1_WEIGHT_ROOM (whole rows while all of x fits there);
 // every other case NW_MAX x TileRows, whole rows up to 2 * R_MAX activation rows or WHOLE_ROWS_X bytes of x.
 template <class T, bool X8>
 bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
           int64_t ldy, int64_t n0, int64_t n1) {
-  if constexpr (OneRowTiles<T, X8>::value) {
+  if constexpr (one_row_tiles<T>) {
     const int64_t room = l1_bytes() - L1_WEIGHT_ROOM, fit = ldx > 0 ? room / ldx : 0;  // rows whose x fits together
     if (k > R_MAX && fit > R_MAX) {
       const int64_t per = rows_per_chunk(k, fit < R2_MAX ? fit : R2_MAX);
@@ -900,7 +897,7 @@ bool rows(const uint8_t* xg, int64_t ldx, int64_t k, int64_t K, const uint8_t* w
         return schedule<T, 1, R2_MAX, X8>(xg, ldx, k, K, w, rb, y, ldy, n0, n1, k * ldx <= room, per);
     }
   }
-  constexpr int RT = TileRows<T>::value;
+  constexpr int RT = TileRows<T, X8>::value;
   return schedule<T, NW_MAX, RT, X8>(xg, ldx, k, K, w, rb, y, ldy, n0, n1,
                                      k <= 2 * R_MAX || k * ldx <= WHOLE_ROWS_X, rows_per_chunk(k, RT));
 }
