@@ -113,7 +113,7 @@ def test_siblings_sharing_their_prompt_rows_get_the_bits_of_their_own(smollm_eng
     caches = [e.new_cache() for _ in range(3)]
     e.forward(prompt, 0, cache=caches[0])
     for c in caches[1:]:
-        c.copy_prefix_from(caches[0], len(prompt) - 1)
+        c.copy_rows_from(caches[0], 0, len(prompt) - 1)
         e.forward(prompt[-1:], len(prompt) - 1, cache=c)
     for i, c in enumerate(caches):  # each its own continuation
         e.forward([200 + 7 * i + t for t in range(5 + i)], len(prompt), cache=c)

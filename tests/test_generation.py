@@ -39,7 +39,7 @@ def test_prefill_from_a_siblings_logits(smollm_engine):
     assert row.shape == (e.config.vocab_size,)
 
     cache = e.new_cache()
-    cache.copy_prefix_from(first.cache, len(prompt))
+    cache.copy_rows_from(first.cache, 0, len(prompt))
     cache.tokens = list(prompt)
     calls = []
     forward = e.forward

@@ -83,14 +83,14 @@ def test_the_other_ranks_drop_a_cache_rank_0_let_go_of(monkeypatch):
         pass
 
     kept, scratch = Cache(), Cache()
-    mirror.copy_prefix(kept, scratch, 4)
+    mirror.copy_rows(kept, scratch, 0, 4)
     del scratch
     gc.collect()
     mirror.keep_path(kept, 3, [1, 2])
     again = Cache()  # a later cache never takes a dropped one's number
-    mirror.copy_prefix(again, kept, 2)
+    mirror.copy_rows(again, kept, 1, 2)
     mirror.stop()
-    assert sent == [("copy_prefix", 0, 1, 4), ("drop", [1], ("keep_path", 0, 3, [1, 2])), ("copy_prefix", 2, 0, 2),
+    assert sent == [("copy_rows", 0, 1, 0, 4), ("drop", [1], ("keep_path", 0, 3, [1, 2])), ("copy_rows", 2, 0, 1, 2),
                     ("stop",)]
 
     import weakref
@@ -108,12 +108,12 @@ def test_the_other_ranks_drop_a_cache_rank_0_let_go_of(monkeypatch):
         return [w() is not None for w in made]
 
     monkeypatch.setattr(tpm.dist, "broadcast_object_list", lambda box, src: box.__setitem__(0, next(ops)))
-    monkeypatch.setattr(Cache, "copy_prefix_from", lambda self, src, m: calls.append((self.n, src.n, m, held())),
+    monkeypatch.setattr(Cache, "copy_rows_from", lambda self, src, a, b: calls.append((self.n, src.n, a, b, held())),
                         raising=False)
     monkeypatch.setattr("ultrafast.token_tree.keep_path", lambda c, start, path: calls.append((c.n, start, held())))
     tpm.follow(Engine(), None)
     # caches 0 and 1 made for the first copy; 1 released before the path is kept; the last copy makes cache 2
-    assert calls == [(0, 1, 4, [True, True]), (0, 3, [True, False]), (2, 0, 2, [True, False, True])]
+    assert calls == [(0, 1, 0, 4, [True, True]), (0, 3, [True, False]), (2, 0, 1, 2, [True, False, True])]
 
 
 def test_generate_tp_without_torchrun_is_a_clear_error(smollm_path):

@@ -24,12 +24,13 @@ class KVCache:
         self.tokens: list[int] = []
         self.mirror = None  # `serve --tp`: rank 0 tells the other ranks of every change (tensor_parallel.Mirror)
 
-    def copy_prefix_from(self, src: "KVCache", m: int) -> None:
-        """The first m positions' rows of `src` (a sibling candidate's prefilled prompt), in every layer."""
+    def copy_rows_from(self, src: "KVCache", start: int, stop: int) -> None:
+        """Positions start..stop-1's rows of `src`, in every layer: a sibling candidate's prefilled prompt (start 0),
+        or the row a candidate with the same tokens so far computed for both in a batched pass."""
         if self.mirror is not None:
-            self.mirror.copy_prefix(self, src, m)
-        self.k[:, :, :m] = src.k[:, :, :m]
-        self.v[:, :, :m] = src.v[:, :, :m]
+            self.mirror.copy_rows(self, src, start, stop)
+        self.k[:, :, start:stop] = src.k[:, :, start:stop]
+        self.v[:, :, start:stop] = src.v[:, :, start:stop]
 
     def reusable_prefix(self, prompt: list[int]) -> int:
         """How many leading prompt tokens already have their rows here (at least one is always recomputed)."""

@@ -203,8 +203,8 @@ class Mirror:
         self._send(("forward", tokens.tolist(), list(starts), list(lens), [self._cache(c) for c in caches],
                     all_logits, layers, hidden, tree))
 
-    def copy_prefix(self, dst, src, m: int) -> None:
-        self._send(("copy_prefix", self._cache(dst), self._cache(src), m))
+    def copy_rows(self, dst, src, start: int, stop: int) -> None:
+        self._send(("copy_rows", self._cache(dst), self._cache(src), start, stop))
 
     def keep_path(self, cache, start: int, path: list[int]) -> None:
         self._send(("keep_path", self._cache(cache), start, list(path)))
@@ -237,8 +237,8 @@ def follow(engine, tp: TensorParallel) -> None:
             _, tokens, starts, lens, ids, all_logits, layers, hidden, tree = op
             engine.model.forward_multi(torch.tensor(tokens, dtype=torch.long), starts, lens, [cache(i) for i in ids],
                                        all_logits, layers, hidden, tree)
-        elif op[0] == "copy_prefix":
-            cache(op[1]).copy_prefix_from(cache(op[2]), op[3])
+        elif op[0] == "copy_rows":
+            cache(op[1]).copy_rows_from(cache(op[2]), op[3], op[4])
         elif op[0] == "keep_path":
             keep_path(cache(op[1]), op[2], op[3])
         else:

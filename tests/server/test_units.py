@@ -307,7 +307,7 @@ class FakeCache:
         self.mirror = None
 
     reusable_prefix = KVCache.reusable_prefix  # the real rules, on a tiny cache
-    copy_prefix_from = KVCache.copy_prefix_from
+    copy_rows_from = KVCache.copy_rows_from
 
 
 class FakeEngine:
@@ -860,10 +860,12 @@ def test_batched_pass_shares_only_a_request_prompt_rows():
     assert _shared_prompts(cands[:2], inputs[:2]) is None
 
 
-def test_best_of_n_passes_share_the_prompt_rows_and_keep_the_bits(tmp_path, smollm_path):
+def test_best_of_n_passes_share_the_prompt_rows_and_keep_the_bits(tmp_path, smollm_path, monkeypatch):
     """n = 4 sampled candidates of one prompt: their batched passes are told of the shared prompt rows, the siblings
     start from the logits the first candidate computed for the prompt's last row (no forward of their own), and the
-    candidates' tokens are those of the same request run with both left out (each sibling computing that row)."""
+    candidates' tokens are those of the same request run with all three left out (each sibling computing that row,
+    and every candidate its own row where another's tokens so far are the same)."""
+    from ultrafast.server import scheduler
     from ultrafast.engine import Engine
     from ultrafast.generation import Generation
 
@@ -889,6 +891,7 @@ def test_best_of_n_passes_share_the_prompt_rows_and_keep_the_bits(tmp_path, smol
         engine.cache.tokens = []  # the worker's first slot is the engine's cache: no rows of the run before
         if not keep_share:
             Generation.prefill = own_prefill
+            monkeypatch.setattr(scheduler, "_same_rows", lambda cands, keep: [None] * len(cands))
         msgs, done = [], threading.Event()
         req = GenRequest(model="fake", tier="standard", endpoint="completions", principal=LOCAL_USER,
                          prompts=[prompt], n=4, emit=lambda m: (msgs.append(m), m[0] == "done" and done.set()),
@@ -914,3 +917,63 @@ def test_best_of_n_passes_share_the_prompt_rows_and_keep_the_bits(tmp_path, smol
     assert forwards == [(len(prompt), 0)]
     # with the logits dropped, each sibling's own forward of the prompt's last token
     assert own == [(len(prompt), 0)] + [(1, m)] * 3
+
+
+def test_candidates_with_the_same_tokens_share_their_rows(tmp_path, smollm_path, monkeypatch):
+    """Best-of-n candidates whose tokens so far are the same take one row of a batched pass between them: n = 3
+    greedy candidates (the same tokens throughout) run every batched pass as one row, the others' caches get its keys
+    and values, and the text is that of the request with the sharing left out (three rows a pass); then sampled
+    candidates of which some agree: the same tokens with and without the sharing."""
+    from ultrafast.engine import Engine
+    from ultrafast.server import scheduler
+
+    engine = Engine.from_path(smollm_path, max_context=512)
+    prompt = engine.chat_prompt([{"role": "user", "content": "What is the capital of France? One word."}])
+    forward_batch = engine.forward_batch
+
+    def run(tag: str, share: bool, temperature: float, n: int = 3, tokens: int = 12):
+        rows = []
+
+        def spy(seqs, **kw):
+            rows.append(len(seqs))
+            return forward_batch(seqs, **kw)
+
+        engine.forward_batch = spy
+        engine.cache.tokens = []
+        with monkeypatch.context() as m:
+            if not share:
+                m.setattr(scheduler, "_same_rows", lambda cands, keep: [None] * len(cands))
+            msgs, done = [], threading.Event()
+            req = GenRequest(model="fake", tier="standard", endpoint="completions", principal=LOCAL_USER,
+                             prompts=[prompt], n=n, emit=lambda x: (msgs.append(x), x[0] == "done" and done.set()),
+                             make_params=lambda g, i: SamplingParams(max_tokens=tokens, temperature=temperature,
+                                                                     seed=7 + i, ignore_eos=True))
+            (tmp_path / tag).mkdir()
+            w, _ = _worker(tmp_path / tag, engine, slots=n)
+            w.submit(req)
+            w.start()
+            w.wait_ready(10)
+            try:
+                assert done.wait(60)
+            finally:
+                w.stop()
+                engine.forward_batch = forward_batch
+        same = w.metrics.same_rows.labels("fake")._value.get()
+        return {x[1]: x[3].token_ids for x in msgs if x[0] == "choice_done"}, rows, same, w.slots
+
+    twins, rows, same, slots = run("greedy", True, 0.0)
+    apart, rows_apart, same_apart, _ = run("greedy-apart", False, 0.0)
+    assert len(twins) == 3 and twins == apart and len({tuple(t) for t in twins.values()}) == 1
+    assert rows and set(rows) == {1} and same == 2 * len(rows)  # every pass one row for the three
+    # every slot holds the rows of prompt and output (the others' copied from the one that computed them)
+    held = {len(s.cache.tokens) for s in slots}
+    assert held == {len(prompt) + 11}
+    n = held.pop()
+    for s in slots[1:]:
+        assert torch.equal(s.cache.k[:, :, :n], slots[0].cache.k[:, :, :n])
+        assert torch.equal(s.cache.v[:, :, :n], slots[0].cache.v[:, :, :n])
+    assert set(rows_apart) == {3} and same_apart == 0
+    # sampled: candidates agree on some first tokens, then part; the sharing never changes a token
+    got, _, same, _ = run("sampled", True, 0.7, n=4, tokens=16)
+    want, _, _, _ = run("sampled-apart", False, 0.7, n=4, tokens=16)
+    assert got == want and len(got) == 4 and same > 0  # (two of these four agree throughout)

@@ -404,7 +404,7 @@ class ModelWorker:
                     and c.slot.cache.tokens[:m] != c.prompt_ids[:m]):
                 # the sibling prefilled this prompt: copy its rows instead of recomputing them
                 s, d = src.slot.cache, c.slot.cache
-                d.copy_prefix_from(s, m)
+                d.copy_rows_from(s, 0, m)
                 d.tokens = list(c.prompt_ids[:m])
                 self.metrics.shared_prefill.labels(self.name).inc(m)
             c.cached_tokens = c.slot.cache.reusable_prefix(c.prompt_ids)
@@ -481,6 +481,9 @@ class ModelWorker:
         (`speculative.share_rows`), and each candidate verifies its own rows; without drafts it is the plain
         steps of all. When their steppers read the target's features (a draft head; `_batchable` groups only
         those that read the same ones), the pass returns them too and each candidate's rows go to its stepper.
+        Candidates of one request whose tokens so far are the same (best-of-n samples often agree for many
+        tokens) take one plain row between them (`_same_rows`): it is computed once, its keys and values copied
+        into the others' caches, and each samples from its logits with its own sampler.
         plans: the candidates' plans (by id) when the round has just made them."""
         if not cands:
             return
@@ -489,26 +492,38 @@ class ModelWorker:
             by_id = plans if plans is not None else self._plans(cands)
             plans = [by_id.get(id(c)) for c in cands]
             keep = self._shared_rows(plans)
-            inputs = [c.gen.spec_input(p.drafts[:k]) if k else c.gen.plain_input()
-                      for c, p, k in zip(cands, plans, keep)]
-            out = self.engine.forward_batch(inputs, hidden=spec, share=_shared_prompts(cands, inputs),
-                                            all_logits=any(keep))
+            same = _same_rows(cands, keep)
+            run = [i for i, j in enumerate(same) if j is None]  # the candidates whose rows the pass computes
+            inputs = [cands[i].gen.spec_input(plans[i].drafts[:keep[i]]) if keep[i] else cands[i].gen.plain_input()
+                      for i in run]
+            share = _shared_prompts([cands[i] for i in run], inputs)
+            out = self.engine.forward_batch(inputs, hidden=spec, share=share, all_logits=any(keep))
+            for c, j in zip(cands, same):
+                if j is not None:  # the row its twin computed: the same keys and values
+                    _, pos, cache = c.gen.plain_input()
+                    cache.copy_rows_from(cands[j].gen.plain_input()[2], pos, pos + 1)
         except Exception as e:
             log.exception("a batched pass failed (model %s)", self.name)
             for c in cands:
                 self._stop_request(c.req, "failed", f"generation failed: {type(e).__name__}: {e}")
             return
         for tier in {c.req.tier for c in cands}:
-            self.metrics.batched_rows.labels(self.name, tier).inc(sum(1 + k for c, k in zip(cands, keep)
-                                                                      if c.req.tier == tier))
+            self.metrics.batched_rows.labels(self.name, tier).inc(sum(1 + keep[i] for i in run
+                                                                      if cands[i].req.tier == tier))
+        if len(run) < len(cands):
+            self.metrics.same_rows.labels(self.name).inc(len(cands) - len(run))
         logits, feats = out if spec else (out, None)
+        rows: dict[int, slice] = {}
         at = 0
-        for c, plan, k in zip(cands, plans, keep):
-            rows = slice(at, at + 1 + k)
-            at = rows.stop
+        for i in run:
+            rows[i] = slice(at, at + 1 + keep[i])
+            at = rows[i].stop
+        for i, (c, plan, k) in enumerate(zip(cands, plans, keep)):
+            r = rows[i if same[i] is None else same[i]]  # (a twin's: one row, k = 0)
             if c.state == "active" and not c.req.cancelled:
-                self._step(c, logits[rows] if plan is not None else logits[rows][0],
-                           None if feats is None else feats[at - 1 - k:at], plan, k)
+                lg = logits[r] if plan is not None else logits[r][0]
+                self._step(c, lg if same[i] is None else lg.clone(),
+                           None if feats is None else feats[r.stop - 1 - k:r.stop], plan, k)
 
     def _shared_rows(self, plans: list) -> list[int]:
         """How many drafts of each plan a shared pass verifies (`speculative.share_rows`; none before r(k) is
@@ -804,6 +819,23 @@ class ModelWorker:
             },
         }
         req.emit(("done", summary, fut))
+
+
+def _same_rows(cands: list[Candidate], keep: list[int]) -> list[int | None]:
+    """For a batched pass: per candidate, an earlier one of the same request whose plain row is the very same row, or
+    None. Both hold the same prompt (the request's `group`) and the same output so far, so their caches hold the same rows and the row about to
+    be computed is the same bits for both (rows depend only on the tokens before them, and the kernels are
+    batch-invariant): its logits, keys and values are computed once. Only plain steps (no drafts kept)."""
+    first: dict = {}
+    same: list[int | None] = []
+    for i, (c, k) in enumerate(zip(cands, keep)):
+        out = getattr(c.gen, "out_ids", None)
+        if k or out is None or not hasattr(c.gen, "plain_input"):
+            same.append(None)
+            continue
+        j = first.setdefault((id(c.req), c.group, tuple(out), c.gen.plain_input()[1]), i)
+        same.append(j if j != i else None)
+    return same
 
 
 def _shared_prompts(cands: list[Candidate], inputs: list[tuple]) -> list | None:
