@@ -891,7 +891,7 @@ def test_best_of_n_passes_share_the_prompt_rows_and_keep_the_bits(tmp_path, smol
         engine.cache.tokens = []  # the worker's first slot is the engine's cache: no rows of the run before
         if not keep_share:
             Generation.prefill = own_prefill
-            monkeypatch.setattr(scheduler, "_same_rows", lambda cands, keep: [None] * len(cands))
+            monkeypatch.setattr(scheduler, "_same_rows", lambda cands: [None] * len(cands))
         msgs, done = [], threading.Event()
         req = GenRequest(model="fake", tier="standard", endpoint="completions", principal=LOCAL_USER,
                          prompts=[prompt], n=4, emit=lambda m: (msgs.append(m), m[0] == "done" and done.set()),
@@ -931,7 +931,7 @@ def test_candidates_with_the_same_tokens_share_their_rows(tmp_path, smollm_path,
     prompt = engine.chat_prompt([{"role": "user", "content": "What is the capital of France? One word."}])
     forward_batch = engine.forward_batch
 
-    def run(tag: str, share: bool, temperature: float, n: int = 3, tokens: int = 12):
+    def run(tag: str, share: bool, temperature: float, n: int = 3, tokens: int = 12, tier: str = "standard"):
         rows = []
 
         def spy(seqs, **kw):
@@ -942,9 +942,9 @@ def test_candidates_with_the_same_tokens_share_their_rows(tmp_path, smollm_path,
         engine.cache.tokens = []
         with monkeypatch.context() as m:
             if not share:
-                m.setattr(scheduler, "_same_rows", lambda cands, keep: [None] * len(cands))
+                m.setattr(scheduler, "_same_rows", lambda cands: [None] * len(cands))
             msgs, done = [], threading.Event()
-            req = GenRequest(model="fake", tier="standard", endpoint="completions", principal=LOCAL_USER,
+            req = GenRequest(model="fake", tier=tier, endpoint="completions", principal=LOCAL_USER,
                              prompts=[prompt], n=n, emit=lambda x: (msgs.append(x), x[0] == "done" and done.set()),
                              make_params=lambda g, i: SamplingParams(max_tokens=tokens, temperature=temperature,
                                                                      seed=7 + i, ignore_eos=True))
@@ -977,3 +977,10 @@ def test_candidates_with_the_same_tokens_share_their_rows(tmp_path, smollm_path,
     got, _, same, _ = run("sampled", True, 0.7, n=4, tokens=16)
     want, _, _, _ = run("sampled-apart", False, 0.7, n=4, tokens=16)
     assert got == want and len(got) == 4 and same > 0  # (two of these four agree throughout)
+    # the ultrafast tier (r(k) fixed, flat: drafts pay in shared passes): twins verify the first one's drafts too
+    engine.r_table = [0.0, 1.0] + [1.0 + 0.03 * (k - 1) for k in range(2, 18)]
+    fast, rows, same, slots = run("ultrafast-greedy", True, 0.0, tier="ultrafast", tokens=24)
+    assert fast == run("ultrafast-greedy-apart", False, 0.0, tier="ultrafast", tokens=24)[0]
+    assert len(fast) == 3 and len({tuple(t) for t in fast.values()}) == 1 and same > 0
+    got, _, same, _ = run("ultrafast-sampled", True, 0.7, n=4, tokens=24, tier="ultrafast")
+    assert got == run("ultrafast-sampled-apart", False, 0.7, n=4, tokens=24, tier="ultrafast")[0] and same > 0

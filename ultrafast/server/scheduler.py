@@ -23,6 +23,10 @@ n > 1: the candidates of one prompt share its prefill. The first one is admitted
 prefilled, each sibling copies the prompt's KV rows into its own slot (`dst.k[:, :, :m] = src.k[:, :, :m]`,
 same for v, then `dst.tokens`) and takes its first token from the logits the first one computed for the prompt's
 last row (kept until the siblings have started): its prefill runs no forward (without those logits: one token).
+While candidates of one prompt have written the same tokens (samples of one answer often agree for long
+stretches), a batched pass computes their rows once (`_same_rows`): the first of them feeds its token and drafts,
+the others' slots get those rows' keys and values, and each samples (verifies) from the same logits with its own
+sampler.
 
 Ultrafast candidates decode together too, in batched passes, while those pay more than their own
 speculative passes (by the engine's measured r(k) and each candidate's measured tokens per step-time). Each
@@ -482,26 +486,32 @@ class ModelWorker:
         steps of all. When their steppers read the target's features (a draft head; `_batchable` groups only
         those that read the same ones), the pass returns them too and each candidate's rows go to its stepper.
         Candidates of one request whose tokens so far are the same (best-of-n samples often agree for many
-        tokens) take one plain row between them (`_same_rows`): it is computed once, its keys and values copied
-        into the others' caches, and each samples from its logits with its own sampler.
+        tokens: `_same_rows`) take one set of rows between them: the first of them drafts and its rows are
+        computed once, the others' caches get their keys and values, and each verifies them (the first's drafts)
+        with its own sampler, so each emits what it would have alone.
         plans: the candidates' plans (by id) when the round has just made them."""
         if not cands:
             return
         spec = _hidden_spec(cands[0])
         try:
-            by_id = plans if plans is not None else self._plans(cands)
-            plans = [by_id.get(id(c)) for c in cands]
-            keep = self._shared_rows(plans)
-            same = _same_rows(cands, keep)
+            same = _same_rows(cands)
             run = [i for i, j in enumerate(same) if j is None]  # the candidates whose rows the pass computes
+            by_id = plans if plans is not None else self._plans(cands)
+            plans = [by_id.get(id(cands[i])) if same[i] is None else None for i in range(len(cands))]
+            keep = [0] * len(cands)
+            for i, k in zip(run, self._shared_rows([plans[i] for i in run])):
+                keep[i] = k
+            for i, j in enumerate(same):
+                if j is not None:  # a twin verifies the rows of the first with the same tokens so far
+                    plans[i], keep[i] = plans[j], keep[j]
             inputs = [cands[i].gen.spec_input(plans[i].drafts[:keep[i]]) if keep[i] else cands[i].gen.plain_input()
                       for i in run]
             share = _shared_prompts([cands[i] for i in run], inputs)
             out = self.engine.forward_batch(inputs, hidden=spec, share=share, all_logits=any(keep))
-            for c, j in zip(cands, same):
-                if j is not None:  # the row its twin computed: the same keys and values
+            for c, j, k in zip(cands, same, keep):
+                if j is not None:  # the rows its twin computed: the same keys and values
                     _, pos, cache = c.gen.plain_input()
-                    cache.copy_rows_from(cands[j].gen.plain_input()[2], pos, pos + 1)
+                    cache.copy_rows_from(cands[j].gen.plain_input()[2], pos, pos + 1 + k)
         except Exception as e:
             log.exception("a batched pass failed (model %s)", self.name)
             for c in cands:
@@ -511,7 +521,7 @@ class ModelWorker:
             self.metrics.batched_rows.labels(self.name, tier).inc(sum(1 + keep[i] for i in run
                                                                       if cands[i].req.tier == tier))
         if len(run) < len(cands):
-            self.metrics.same_rows.labels(self.name).inc(len(cands) - len(run))
+            self.metrics.same_rows.labels(self.name).inc(sum(1 + k for j, k in zip(same, keep) if j is not None))
         logits, feats = out if spec else (out, None)
         rows: dict[int, slice] = {}
         at = 0
@@ -519,7 +529,7 @@ class ModelWorker:
             rows[i] = slice(at, at + 1 + keep[i])
             at = rows[i].stop
         for i, (c, plan, k) in enumerate(zip(cands, plans, keep)):
-            r = rows[i if same[i] is None else same[i]]  # (a twin's: one row, k = 0)
+            r = rows[i if same[i] is None else same[i]]
             if c.state == "active" and not c.req.cancelled:
                 lg = logits[r] if plan is not None else logits[r][0]
                 self._step(c, lg if same[i] is None else lg.clone(),
@@ -538,9 +548,10 @@ class ModelWorker:
         sure to be accepted yield fewer tokens per unit of cost than the pass's plain rows (a pass of ten rows
         on this CPU is bound by its multiplies), asking the lookups would only cost their time."""
         r = getattr(self.engine, "r_table", None)
-        if not r or not drafts_may_pay(len(cands), r):
+        lead = [c for c, j in zip(cands, _same_rows(cands)) if j is None]  # twins take the first one's plan
+        if not r or not drafts_may_pay(len(lead), r):
             return {}
-        return {id(c): self._plan(c) for c in cands}
+        return {id(c): self._plan(c) for c in lead}
 
     def _plan(self, c: Candidate):
         """c's drafts for a shared pass (None: it has none to offer, or must not draft)."""
@@ -581,10 +592,13 @@ class ModelWorker:
         r = getattr(self.engine, "r_table", None)
         if not r:
             return 0.0
-        got = [plans.get(id(c)) for c in group] if plans else [None] * len(group)
+        same = _same_rows(group)
+        lead = [i for i, j in enumerate(same) if j is None]  # twins share the rows of the first (`_batched_pass`)
+        got = [plans.get(id(group[i])) for i in lead] if plans else [None] * len(lead)
         keep = self._shared_rows(got)
-        tokens = len(group) + sum(sum(p.values[:k]) for p, k in zip(got, keep) if k)
-        return tokens / batch_cost(r, len(group) + sum(keep))
+        size = [sum(1 for j in same if j == i) + 1 for i in lead]
+        tokens = len(group) + sum(n * sum(p.values[:k]) for p, k, n in zip(got, keep, size) if k)
+        return tokens / batch_cost(r, len(lead) + sum(keep))
 
     def _batch_pays(self, group: list[Candidate], batch_rate: float) -> bool:
         """Whether one batched pass for the group, yielding `batch_rate` (`_batch_rate`, with the drafts it would
@@ -821,19 +835,19 @@ class ModelWorker:
         req.emit(("done", summary, fut))
 
 
-def _same_rows(cands: list[Candidate], keep: list[int]) -> list[int | None]:
-    """For a batched pass: per candidate, an earlier one of the same request whose plain row is the very same row, or
-    None. Both hold the same prompt (the request's `group`) and the same output so far, so their caches hold the same rows and the row about to
-    be computed is the same bits for both (rows depend only on the tokens before them, and the kernels are
-    batch-invariant): its logits, keys and values are computed once. Only plain steps (no drafts kept)."""
+def _same_rows(cands: list[Candidate]) -> list[int | None]:
+    """For a batched pass: per candidate, the first earlier one of the same request with the same tokens so far, or
+    None. Both hold the same prompt (the request's `group`) and the same output, so their caches hold the same rows,
+    and any rows fed after them (the next token, and drafts) are the same bits for both (rows depend only on the
+    tokens before them, and the kernels are batch-invariant): the pass computes them once."""
     first: dict = {}
     same: list[int | None] = []
-    for i, (c, k) in enumerate(zip(cands, keep)):
+    for i, c in enumerate(cands):
         out = getattr(c.gen, "out_ids", None)
-        if k or out is None or not hasattr(c.gen, "plain_input"):
+        if not out or not hasattr(c.gen, "plain_input"):  # (not started: no rows yet)
             same.append(None)
             continue
-        j = first.setdefault((id(c.req), c.group, tuple(out), c.gen.plain_input()[1]), i)
+        j = first.setdefault((id(c.req), c.group, tuple(out), c.gen.pos), i)
         same.append(j if j != i else None)
     return same
 
