@@ -81,3 +81,21 @@ def test_forward_returns_the_hidden_states_a_draft_head_reads(smollm_engine):
     assert torch.equal(e.model.output(e.model.norm(h)).float(), logits)
     last, h_last = e.forward(ids, 0, cache=e.new_cache(), hidden=True)
     assert torch.equal(h_last, h) and torch.equal(last, plain[-1:])
+
+
+def test_the_suffix_history_is_kept_per_scope(smollm_path):
+    """The suffix drafter drafts from earlier requests of the request's own scope (a server's tenant) only: an
+    ultrafast generation adds its text to its scope's history, never another's; the most recent SUFFIX_SCOPES
+    scopes are kept."""
+    from ultrafast.engine import SUFFIX_SCOPES, Engine
+
+    engine = Engine.from_path(smollm_path, max_context=256)
+    engine.r_table = [0.0, 1.0] + [1.0 + 0.1 * (k - 1) for k in range(2, 18)]  # (not measured: no timing here)
+    a, b = engine.suffix_cache(("key-a", None)), engine.suffix_cache(("key-b", None))
+    assert a is not b and engine.suffix_cache(("key-a", None)) is a and engine.suffix_cache(("key-a", "s")) is not a
+    ids = engine.chat_prompt(CHAT)
+    res = engine.generate(ids, SamplingParams(max_tokens=8), tier="ultrafast", scope=("key-a", None))
+    assert a.index.tokens[:len(ids) + len(res.token_ids)] == ids + res.token_ids and not b.index.tokens
+    for i in range(SUFFIX_SCOPES):
+        engine.suffix_cache(("other", i))
+    assert engine.suffix_cache(("key-a", None)) is not a  # dropped, least recently used

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import Hashable, Iterator
 
 import torch
 
@@ -24,6 +25,7 @@ from .speculative import PlainStepper, SpeculativeStepper, measure_r
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CONTEXT = 4096
+SUFFIX_SCOPES = 64  # suffix drafters' histories kept (one per scope: a server's tenant), least recently used dropped
 
 
 class ContextOverflowError(ValueError):
@@ -48,7 +50,7 @@ class Engine:
         self.weight_bytes_per_token = model.weight_bytes_per_token()
         # the ultrafast tier's state, kept per engine (never module-global)
         self.r_table: list[float] | None = None  # measured r(k), on first ultrafast use
-        self.suffix_cache = SuffixCache()  # earlier requests' tokens, for suffix decoding
+        self._suffix_caches: OrderedDict = OrderedDict()  # scope -> earlier requests' tokens (`suffix_cache`)
         self.draft_engine: "Engine | None" = None
         self.draft_cost = 0.5
         self.draft_feed_cost = 0.0  # a token the draft model feeds while catching up, in target forwards
@@ -267,8 +269,20 @@ class Engine:
         self.model.mirror = Mirror(self.model.tp)
         self.cache.mirror = self.model.mirror
 
-    def stepper(self, tier: str = "standard", drafters: list[str] | None = None, cache: KVCache | None = None):
-        """The decoding loop's step for a tier: plain, or speculative with the given drafters."""
+    def suffix_cache(self, scope: Hashable = None) -> SuffixCache:
+        """The earlier requests' tokens that suffix decoding drafts from, kept per scope: a server passes the
+        request's tenant (API key and cache_salt, as for KV rows), so that no tenant's drafts, and with them its
+        speed, depend on another's prompts or outputs. The SUFFIX_SCOPES most recently used scopes are kept."""
+        c = self._suffix_caches.pop(scope, None) or SuffixCache()
+        self._suffix_caches[scope] = c
+        while len(self._suffix_caches) > SUFFIX_SCOPES:
+            self._suffix_caches.popitem(last=False)
+        return c
+
+    def stepper(self, tier: str = "standard", drafters: list[str] | None = None, cache: KVCache | None = None,
+                scope: Hashable = None):
+        """The decoding loop's step for a tier: plain, or speculative with the given drafters (the suffix
+        drafter's history: `suffix_cache(scope)`)."""
         cache = cache or self.cache
         if tier == "standard":
             return PlainStepper(self, cache)
@@ -284,25 +298,27 @@ class Engine:
             per_token, per_row = _head_times(self)
             self.head_cost = self._agree(per_token / step)
             self.head_upkeep = self._agree(per_row / step)
-        objs = build_drafters(names, suffix_cache=self.suffix_cache, draft_engine=self.draft_engine,
+        objs = build_drafters(names, suffix_cache=self.suffix_cache(scope), draft_engine=self.draft_engine,
                               draft_cost=self.draft_cost, draft_feed_cost=self.draft_feed_cost,
                               target=self, cache=cache,
                               self_spec_cost=self.self_spec_cost, head_cost=self.head_cost or 0.0)
         return SpeculativeStepper(self, cache, objs, self.r_table, fixed_k=self.fixed_draft_k)
 
     def start(self, prompt_ids: list[int], params: SamplingParams, *, tier: str = "standard",
-              drafters: list[str] | None = None, cache: KVCache | None = None) -> Generation:
-        """A request's decoding state, not yet prefilled (a scheduler drives it; see generation.py)."""
+              drafters: list[str] | None = None, cache: KVCache | None = None, scope: Hashable = None) -> Generation:
+        """A request's decoding state, not yet prefilled (a scheduler drives it; see generation.py). scope: whose
+        earlier requests the suffix drafter may draft from (`suffix_cache`)."""
         cache = cache or self.cache
-        return Generation(self, prompt_ids, params, self.stepper(tier, drafters, cache), cache, tier)
+        return Generation(self, prompt_ids, params, self.stepper(tier, drafters, cache, scope), cache, tier)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, *, tier: str = "standard",
-               drafters: list[str] | None = None, cache: KVCache | None = None) -> Iterator[StreamEvent]:
+               drafters: list[str] | None = None, cache: KVCache | None = None,
+               scope: Hashable = None) -> Iterator[StreamEvent]:
         """Yield tokens as they are generated; the final GenerationResult is the generator's return value.
 
         `cache` (default: the engine's own) is the KV cache slot to run in; rows it already holds for a prefix
         of the prompt are reused."""
-        g = self.start(prompt_ids, params, tier=tier, drafters=drafters, cache=cache)
+        g = self.start(prompt_ids, params, tier=tier, drafters=drafters, cache=cache, scope=scope)
         try:
             g.prefill()
             yield from g.take_events()

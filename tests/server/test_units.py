@@ -330,7 +330,7 @@ class FakeEngine:
     def describe(self):
         return {}
 
-    def stream(self, prompt, params, tier="standard", cache=None):
+    def stream(self, prompt, params, tier="standard", cache=None, scope=None):
         reused = cache.reusable_prefix(prompt)
         tag = prompt[0]
         out = []
@@ -431,7 +431,7 @@ class GatedEngine(FakeEngine):
         super().__init__()
         self.gate = threading.Event()
 
-    def stream(self, prompt, params, tier="standard", cache=None):
+    def stream(self, prompt, params, tier="standard", cache=None, scope=None):
         inner, i = super().stream(prompt, params, tier, cache), 0
         while True:
             try:
@@ -555,7 +555,7 @@ class BrokenEngine(FakeEngine):
     def raw_prompt(self, text):
         return [1, 2]
 
-    def stream(self, prompt, params, tier="standard", cache=None):
+    def stream(self, prompt, params, tier="standard", cache=None, scope=None):
         if prompt == [1, 2, 3]:
             raise RuntimeError("boom")
         return (yield from super().stream(prompt, params, tier, cache))
@@ -626,7 +626,7 @@ class BatchingEngine(FakeEngine):
         super().__init__()
         self.batches: list[int] = []
 
-    def start(self, prompt, params, tier="standard", cache=None):
+    def start(self, prompt, params, tier="standard", cache=None, scope=None):
         return FakeGeneration(self, prompt, params, tier, cache)
 
     def forward_batch(self, seqs, hidden=False, share=None, all_logits=False):
@@ -746,7 +746,7 @@ def test_a_requests_ultrafast_candidates_prefill_then_batch(tmp_path):
     class Engine(BatchingEngine):
         r_table = [0.0, 1.0] + [1.0 + 0.1 * (k - 1) for k in range(2, 18)]
 
-        def start(self, prompt, params, tier="standard", cache=None):
+        def start(self, prompt, params, tier="standard", cache=None, scope=None):
             return SteppedGeneration(self, prompt, params, tier, cache)
 
     eng = Engine()
@@ -984,3 +984,5 @@ def test_candidates_with_the_same_tokens_share_their_rows(tmp_path, smollm_path,
     assert len(fast) == 3 and len({tuple(t) for t in fast.values()}) == 1 and same > 0
     got, _, same, _ = run("ultrafast-sampled", True, 0.7, n=4, tokens=24, tier="ultrafast")
     assert got == run("ultrafast-sampled-apart", False, 0.7, n=4, tokens=24, tier="ultrafast")[0] and same > 0
+    # the suffix drafter kept their text in the requests' tenant's history, not the process's
+    assert engine.suffix_cache((LOCAL_USER.key_id, None)).index.tokens and not engine.suffix_cache(None).index.tokens

@@ -17,7 +17,9 @@ with its prompt (an agent re-sending its growing conversation prefills only the 
 reuses those rows and reports them as cached tokens. A slot's rows serve only the tenant (API key; the
 local user is one tenant) whose prompt wrote them: a slot taken by another tenant forgets its rows first,
 so neither `cached_tokens` nor the time to the first token tells one key anything of another's prompts. A
-request's `cache_salt` (vLLM's name) narrows that to the requests of one key with the same salt.
+request's `cache_salt` (vLLM's name) narrows that to the requests of one key with the same salt. The suffix
+drafter's history of earlier requests is kept per tenant the same way (`Engine.suffix_cache(scope)`), so an
+ultrafast request's drafts, and its speed, never depend on another key's text.
 
 n > 1: the candidates of one prompt share its prefill. The first one is admitted alone; once it has
 prefilled, each sibling copies the prompt's KV rows into its own slot (`dst.k[:, :, :m] = src.k[:, :, :m]`,
@@ -137,6 +139,11 @@ class GenRequest:
     # group -> the logits of its prompt's last row, from the source's prefill, while siblings have yet to start
     prompt_logits: dict = field(default_factory=dict)
     cache_salt: str | None = None  # KV rows are reused only between requests of one key and one salt
+
+    @property
+    def tenant(self) -> tuple:
+        """Whose earlier requests' KV rows and text this one may reuse: its key's and salt's only."""
+        return (self.principal.key_id, self.cache_salt)
 
     def __post_init__(self):
         i = 0
@@ -379,7 +386,7 @@ class ModelWorker:
                             break
                         ultra_held += 1
                     del dq[i]
-                    tenant = (c.req.principal.key_id, c.req.cache_salt)
+                    tenant = c.req.tenant
                     slot = max(free, key=lambda s: (s.cache.reusable_prefix(c.prompt_ids) if s.tenant == tenant
                                                     else 0, -s.last_used))
                     free.remove(slot)
@@ -428,8 +435,8 @@ class ModelWorker:
     def _start(self, c: Candidate):
         if not self._generations:
             return StreamGeneration(self.engine.stream(c.prompt_ids, c.params, tier=c.req.tier,
-                                                       cache=c.slot.cache))
-        return self.engine.start(c.prompt_ids, c.params, tier=c.req.tier, cache=c.slot.cache)
+                                                       cache=c.slot.cache, scope=c.req.tenant))
+        return self.engine.start(c.prompt_ids, c.params, tier=c.req.tier, cache=c.slot.cache, scope=c.req.tenant)
 
     def _round(self) -> None:
         live = lambda c: c.state == "active" and not c.req.cancelled  # noqa: E731
