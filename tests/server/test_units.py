@@ -860,6 +860,24 @@ def test_batched_pass_shares_only_a_request_prompt_rows():
     assert _shared_prompts(cands[:2], inputs[:2]) is None
 
 
+def _best_of_n(path, engine, prompt, n: int, make_params, tier: str = "standard"):
+    """One request for n candidates of `prompt`, through a worker of n slots over `engine` (its folder `path`):
+    the request's messages and the worker, stopped."""
+    msgs, done = [], threading.Event()
+    req = GenRequest(model="fake", tier=tier, endpoint="completions", principal=LOCAL_USER, prompts=[prompt], n=n,
+                     emit=lambda m: (msgs.append(m), m[0] == "done" and done.set()), make_params=make_params)
+    path.mkdir()
+    w, _ = _worker(path, engine, slots=n)
+    w.submit(req)
+    w.start()
+    w.wait_ready(10)
+    try:
+        assert done.wait(60)
+    finally:
+        w.stop()
+    return msgs, w
+
+
 def test_best_of_n_passes_share_the_prompt_rows_and_keep_the_bits(tmp_path, smollm_path, monkeypatch):
     """n = 4 sampled candidates of one prompt: their batched passes are told of the shared prompt rows, the siblings
     start from the logits the first candidate computed for the prompt's last row (no forward of their own), and the
@@ -892,19 +910,10 @@ def test_best_of_n_passes_share_the_prompt_rows_and_keep_the_bits(tmp_path, smol
         if not keep_share:
             Generation.prefill = own_prefill
             monkeypatch.setattr(scheduler, "_same_rows", lambda cands: [None] * len(cands))
-        msgs, done = [], threading.Event()
-        req = GenRequest(model="fake", tier="standard", endpoint="completions", principal=LOCAL_USER,
-                         prompts=[prompt], n=4, emit=lambda m: (msgs.append(m), m[0] == "done" and done.set()),
-                         make_params=lambda g, i: SamplingParams(max_tokens=16, temperature=1.0, seed=40 + i))
-        (tmp_path / str(keep_share)).mkdir()
-        w, _ = _worker(tmp_path / str(keep_share), engine, slots=4)
-        w.submit(req)
-        w.start()
-        w.wait_ready(10)
         try:
-            assert done.wait(60)
+            msgs, _ = _best_of_n(tmp_path / str(keep_share), engine, prompt, 4,
+                                 lambda g, i: SamplingParams(max_tokens=16, temperature=1.0, seed=40 + i))
         finally:
-            w.stop()
             engine.forward_batch, engine.forward, Generation.prefill = forward_batch, forward, prefill
         return {m[1]: m[3].token_ids for m in msgs if m[0] == "choice_done"}, shares, forwards
 
@@ -943,20 +952,10 @@ def test_candidates_with_the_same_tokens_share_their_rows(tmp_path, smollm_path,
         with monkeypatch.context() as m:
             if not share:
                 m.setattr(scheduler, "_same_rows", lambda cands: [None] * len(cands))
-            msgs, done = [], threading.Event()
-            req = GenRequest(model="fake", tier=tier, endpoint="completions", principal=LOCAL_USER,
-                             prompts=[prompt], n=n, emit=lambda x: (msgs.append(x), x[0] == "done" and done.set()),
-                             make_params=lambda g, i: SamplingParams(max_tokens=tokens, temperature=temperature,
-                                                                     seed=7 + i, ignore_eos=True))
-            (tmp_path / tag).mkdir()
-            w, _ = _worker(tmp_path / tag, engine, slots=n)
-            w.submit(req)
-            w.start()
-            w.wait_ready(10)
             try:
-                assert done.wait(60)
+                msgs, w = _best_of_n(tmp_path / tag, engine, prompt, n, lambda g, i: SamplingParams(
+                    max_tokens=tokens, temperature=temperature, seed=7 + i, ignore_eos=True), tier)
             finally:
-                w.stop()
                 engine.forward_batch = forward_batch
         same = w.metrics.same_rows.labels("fake")._value.get()
         return {x[1]: x[3].token_ids for x in msgs if x[0] == "choice_done"}, rows, same, w.slots
