@@ -26,7 +26,7 @@ class KVCache:
 
     def copy_rows_from(self, src: "KVCache", start: int, stop: int) -> None:
         """Positions start..stop-1's rows of `src`, in every layer: a sibling candidate's prefilled prompt (start 0),
-        or the row a candidate with the same tokens so far computed for both in a batched pass."""
+        or the rows a candidate with the same tokens so far computed for both in a batched pass."""
         if self.mirror is not None:
             self.mirror.copy_rows(self, src, start, stop)
         self.k[:, :, start:stop] = src.k[:, :, start:stop]

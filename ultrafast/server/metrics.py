@@ -57,8 +57,8 @@ class ServerMetrics:
                                     "Rows of batched passes (several candidates' plain steps in one pass over the "
                                     "weights), by model and tier", ["model", "tier"], registry=r)
         self.same_rows = Counter("ultrafast_batched_pass_same_rows",
-                                 "Candidates' plain rows a batched pass did not compute: another candidate of the "
-                                 "request had the same tokens so far, and its row served both", ["model"], registry=r)
+                                 "Rows a batched pass did not compute: a candidate took those of another candidate "
+                                 "of its request with the same tokens so far", ["model"], registry=r)
         self.ledger_errors = Counter("ultrafast_ledger_errors", "Ledger rows that could not be written", registry=r)
 
     def render(self) -> bytes:
