@@ -448,25 +448,28 @@ double vnni_multiply_peak(int64_t threads, int64_t iters, int64_t reps) {
   return best_rate(threads, iters, reps, [](int64_t n) { return vnni_dpbusd_chains(n); });
 }
 
-// 128-value products per second that `threads` threads sustain together with the kernels' arithmetic (best of
-// `reps` runs of `iters` iterations of 12 independent K-quant groups of two products each; see
-// vnni_product_chains). 0 without VNNI.
-double vnni_product_peak(int64_t threads, int64_t iters, int64_t reps, int64_t act_bits) {
-  TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "vnni_product_peak: threads, iters and reps must be >= 1");
-  TORCH_CHECK_VALUE(act_bits == 16 || act_bits == 8, "vnni_product_peak: act_bits must be 16 or 8");
+// Products per second of `chains(n, x8)` (`per_loop` products a loop) on `threads` threads, best of `reps` runs of
+// `iters` loops: vnni_product_peak's and vnni_paired_peak's measurement. 0 without VNNI.
+template <class F>
+double group_peak(const char* name, int64_t threads, int64_t iters, int64_t reps, int64_t act_bits, double per_loop,
+                  F chains) {
+  TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, name, ": threads, iters and reps must be >= 1");
+  TORCH_CHECK_VALUE(act_bits == 16 || act_bits == 8, name, ": act_bits must be 16 or 8");
   if (!(avx512_usable() && vnni_usable())) return 0.0;
   const bool x8 = act_bits == 8;
-  return 2.0 * best_rate(threads, iters, reps, [x8](int64_t n) { return vnni_product_chains(n, x8); });
+  return per_loop * best_rate(threads, iters, reps, [x8, chains](int64_t n) { return chains(n, x8); });
+}
+
+// 128-value products per second that `threads` threads sustain together with the kernels' arithmetic (loops of 12
+// independent K-quant groups of two products each; see vnni_product_chains). 0 without VNNI.
+double vnni_product_peak(int64_t threads, int64_t iters, int64_t reps, int64_t act_bits) {
+  return group_peak("vnni_product_peak", threads, iters, reps, act_bits, 2.0, vnni_product_chains);
 }
 
 // 512-value products per second with the arithmetic of the layouts of eight weight vectors a row (Q4_K in pairs:
 // 8 vpdpbusd, then convert, scale multiply, fma and the mins' fnmadd; see vnni_paired_chains). 0 without VNNI.
 double vnni_paired_peak(int64_t threads, int64_t iters, int64_t reps, int64_t act_bits) {
-  TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "vnni_paired_peak: threads, iters and reps must be >= 1");
-  TORCH_CHECK_VALUE(act_bits == 16 || act_bits == 8, "vnni_paired_peak: act_bits must be 16 or 8");
-  if (!(avx512_usable() && vnni_usable())) return 0.0;
-  const bool x8 = act_bits == 8;
-  return best_rate(threads, iters, reps, [x8](int64_t n) { return vnni_paired_chains(n, x8); });
+  return group_peak("vnni_paired_peak", threads, iters, reps, act_bits, 1.0, vnni_paired_chains);
 }
 
 // vpdpbusd slots one fp32 FMA takes beside them on `threads` threads (best of `reps` runs of `iters` loops each with
