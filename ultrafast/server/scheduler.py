@@ -517,8 +517,7 @@ class ModelWorker:
             out = self.engine.forward_batch(inputs, hidden=spec, share=share, all_logits=any(keep))
             for c, j, k in zip(cands, same, keep):
                 if j is not None:  # the rows its twin computed: the same keys and values
-                    _, pos, cache = c.gen.plain_input()
-                    cache.copy_rows_from(cands[j].gen.plain_input()[2], pos, pos + 1 + k)
+                    c.gen.cache.copy_rows_from(cands[j].gen.cache, c.gen.pos, c.gen.pos + 1 + k)
         except Exception as e:
             log.exception("a batched pass failed (model %s)", self.name)
             for c in cands:
