@@ -68,6 +68,9 @@ def test_a_small_run_through_the_server(tmp_path, smollm_path):
     assert [(r["task_id"], r["tier"], r["n"]) for r in records[:4]] == [
         ("HumanEval/0", "standard", 3), ("HumanEval/0", "standard", 1), ("HumanEval/0", "ultrafast", 3),
         ("HumanEval/0", "ultrafast", 1)]
+    # each run is its own tenant: no request finds the same problem's request before it in the KV slots (without
+    # the runs' salts the n = 1 request after n = 3 reused 189 of its 190 prompt tokens)
+    assert all(r["cached_tokens"] < r["prompt_tokens"] // 2 for r in records)
     assert "| standard | 3 | 2 |" in p.stdout and "wall-clock of n = 1" in p.stdout
     assert "on the 2 problems with each candidate's tokens" in p.stdout
     png = summary.with_suffix(".png")

@@ -20,6 +20,7 @@ import json
 import re
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -83,6 +84,7 @@ class ProblemResult:
     decode_tokens_per_s: list[float] = field(default_factory=list)  # the server's time_info (first candidate)
     settings: dict = field(default_factory=dict)  # what the request ran under (`settings`): --resume matches it
     candidate_tokens: list[int] = field(default_factory=list)  # each candidate's completion tokens (time_info)
+    cached_tokens: int = 0  # prompt tokens the server took from a KV slot instead of prefilling them
 
 
 @dataclass
@@ -110,10 +112,11 @@ class Summary:
 
 
 def solve(client, model: str, problem: dict, tier: str, n: int, sandbox: Sandbox, *, temperature: float,
-          top_p: float, max_tokens: int, seed: int) -> ProblemResult:
+          top_p: float, max_tokens: int, seed: int, salt: str | None = None) -> ProblemResult:
     t0 = time.perf_counter()
     r = client.chat.completions.create(model=model, messages=messages(problem), n=n, temperature=temperature,
-                                       top_p=top_p, max_tokens=max_tokens, seed=seed, service_tier=tier)
+                                       top_p=top_p, max_tokens=max_tokens, seed=seed, service_tier=tier,
+                                       extra_body={"cache_salt": salt} if salt else None)
     gen = time.perf_counter() - t0
     statuses, first, passed, ex = [], None, 0, 0.0
     for ch in sorted(r.choices, key=lambda c: c.index):
@@ -125,9 +128,11 @@ def solve(client, model: str, problem: dict, tier: str, n: int, sandbox: Sandbox
             first = ch.index if first is None else first
     info = (r.model_extra or {}).get("time_info") or {}
     rate = info.get("decode_tokens_per_s")
+    details = r.usage.prompt_tokens_details
     return ProblemResult(problem["task_id"], tier, n, passed, first, gen, ex, r.usage.completion_tokens,
                          r.usage.prompt_tokens, statuses, [rate] if rate else [],
-                         candidate_tokens=list(info.get("choice_tokens") or []))
+                         candidate_tokens=list(info.get("choice_tokens") or []),
+                         cached_tokens=(details.cached_tokens or 0) if details else 0)
 
 
 def length_split(many: list[ProblemResult], one: list[ProblemResult]) -> tuple[int, float, float] | None:
@@ -200,6 +205,11 @@ def run(args) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = [(tier, n) for tier in tiers for n in ([args.n, 1] if args.baseline and args.n != 1 else [args.n])]
+    # Each run (tier, n) is its own tenant of the server's caches: the same problem's requests go back to back,
+    # and a request must not find the one before it in the KV slots (its prompt's rows: no prefill) or in the
+    # suffix drafter's history (the same seed's candidate 0, drafted whole). Within a run, earlier problems'
+    # rows and text serve later ones as they would an agent's.
+    salts = {r: f"humaneval-{r[0]}-n{r[1]}-{uuid.uuid4().hex}" for r in runs}
     bits = activation_bits(args)
     acts = f"{bits}-bit" if bits else "the server's own"
     print(f"HumanEval: {len(problems)} problems, n = {args.n}{' and 1' if args.baseline else ''}, tiers "
@@ -224,7 +234,8 @@ def run(args) -> int:
                     if res is None:
                         sent = True
                         res = solve(client, model, problem, tier, n, sandbox, temperature=args.temperature,
-                                    top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed + 1000 * i)
+                                    top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed + 1000 * i,
+                                    salt=salts[(tier, n)])
                         res.settings = current
                         records.write(json.dumps(asdict(res)) + "\n")
                         records.flush()
