@@ -151,22 +151,25 @@ def forward_times(engine, max_k: int = MAX_K, reps: int = 3, *, prefix: list[int
     """t[n] = median seconds of an n-row forward (all logits), for n = 1..max_k+1 (t[0] unused).
 
     The rows are probe[:n] (default: token ids 0..n-1) at the position after `prefix` (default: 8 tokens),
-    which is first written into `cache` (default: a scratch cache)."""
+    which is first written into `cache` (default: a scratch cache). The sizes take turns, one forward of each
+    per round after a warm-up forward, so the host's drift during the measurement (its memory speed moves
+    from minute to minute, which moves the one-row step against the multiply-bound larger passes) falls on all
+    sizes alike: on the 1.5B at int8, six measurements of each way alternated gave r(8) a spread (sd) of 0.32
+    against 0.50 when each size's forwards ran in a block, r(16) 0.60 against 1.04, the same means."""
     prefix = list(range(8)) if prefix is None else prefix
     probe = list(range(max_k + 1)) if probe is None else probe
     if len(probe) < max_k + 1:
         raise ValueError(f"measure_r needs {max_k + 1} probe tokens, got {len(probe)}")
     cache = engine.new_cache() if cache is None else cache
     engine.forward(prefix, 0, cache=cache)
-    times = [0.0]
-    for n in range(1, max_k + 2):
-        ts = []
-        for _ in range(reps):
+    engine.forward(probe[:1], len(prefix), all_logits=True, cache=cache)  # warm-up: the threads, the first row
+    samples: list[list[float]] = [[] for _ in range(max_k + 2)]
+    for _ in range(reps):
+        for n in range(1, max_k + 2):
             t = time.perf_counter()
             engine.forward(probe[:n], len(prefix), all_logits=True, cache=cache)
-            ts.append(time.perf_counter() - t)
-        times.append(sorted(ts)[len(ts) // 2])
-    return times
+            samples[n].append(time.perf_counter() - t)
+    return [0.0] + [sorted(ts)[len(ts) // 2] for ts in samples[1:]]
 
 
 def measure_r(engine, max_k: int = MAX_K, reps: int = 3, *, prefix: list[int] | None = None,
