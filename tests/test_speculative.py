@@ -419,3 +419,29 @@ def test_a_shared_pass_keeps_the_drafts_that_pay_for_their_rows():
     assert batch_cost(cheap, 34) == cheap[17] * 2
     # where even sure drafts cannot beat the plain rows, the drafters need not be asked
     assert drafts_may_pay(3, cheap) and not drafts_may_pay(3, dear) and not drafts_may_pay(0, cheap)
+
+
+def test_a_plan_whose_rows_several_candidates_take_counts_for_each():
+    """Best-of-n twins (candidates with the same tokens so far) take one plan's rows between them: each of its
+    draft rows earns a token for every twin, so rows too dear for one generation's drafts can pay for a group's."""
+    import itertools
+
+    from ultrafast.speculative import DraftPlan, batch_cost, drafts_may_pay, share_rows
+
+    def plan(rate, n):
+        return DraftPlan(None, list(range(n)), 1, [rate ** j for j in range(1, n + 1)])
+
+    dear = [0.0, 1.0] + [float(k) for k in range(2, 18)]  # a whole step a row
+    plans = [plan(0.9, 3), plan(0.9, 3)]
+    assert share_rows(plans, dear) == [0, 0] and not drafts_may_pay(2, dear)
+    assert drafts_may_pay(2, dear, [3, 1])
+    keep = share_rows(plans, dear, weights=[3, 1])
+    assert keep[0] >= 1 and keep[1] == 0
+
+    def rate(ks):
+        return (4 + sum(w * sum(p.values[:k]) for p, k, w in zip(plans, ks, (3, 1)))) / batch_cost(dear, 2 + sum(ks))
+
+    assert rate(keep) == max(rate(ks) for ks in itertools.product(range(4), range(4)))
+    assert share_rows(plans, dear, weights=[1, 1]) == share_rows(plans, dear)
+    with pytest.raises(ValueError, match="weights"):
+        share_rows(plans, dear, weights=[1])

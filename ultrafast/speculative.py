@@ -463,28 +463,37 @@ class DraftPlan:
 SHARE_MARGIN = 1.02  # a shared pass drafts only when that beats its plain rows by this factor
 
 
-def drafts_may_pay(m: int, r: list[float]) -> bool:
+def drafts_may_pay(m: int, r: list[float], weights: list[int] | None = None) -> bool:
     """Whether any drafts could pay in a pass shared by m generations: whether some number of extra rows, each
     a draft sure to be accepted, beats the plain rows by SHARE_MARGIN (where none can, as in a pass of ten
-    rows bound by the multiplies, asking the drafters would only cost their time)."""
-    return m > 0 and any((m + n) / batch_cost(r, m + n) > SHARE_MARGIN * m / batch_cost(r, m)
+    rows bound by the multiplies, asking the drafters would only cost their time). weights: per row's owner the
+    generations that take its tokens (best-of-n candidates with the same tokens so far share one set of rows:
+    a draft row then earns a token for each; default 1 each); a sure draft row is counted at the largest."""
+    w = weights or [1] * m
+    total, most = sum(w), max(w, default=0)
+    return m > 0 and any((total + n * most) / batch_cost(r, m + n) > SHARE_MARGIN * total / batch_cost(r, m)
                          for n in range(1, len(r) - 1))
 
 
-def share_rows(plans: list[DraftPlan | None], r: list[float], margin: float = SHARE_MARGIN) -> list[int]:
+def share_rows(plans: list[DraftPlan | None], r: list[float], margin: float = SHARE_MARGIN,
+               weights: list[int] | None = None) -> list[int]:
     """How many of each plan's drafts to verify in one pass shared by len(plans) generations (None: one that
     drafts nothing). Every generation's row for its last token is in the pass; each further row is a draft worth
     its value in expected tokens (a chain's values fall with depth, so taking the largest values takes a prefix
     of each chain). The pass keeps the N most valuable drafts, N maximising expected tokens per unit of the
     pass's cost (`batch_cost`), and drafts only if that beats the pass without them by `margin`; a plan marked
-    `probe` keeps its first draft however little it is worth."""
+    `probe` keeps its first draft however little it is worth. weights: per plan the generations that take its
+    rows' tokens (twins, `drafts_may_pay`): its rows' tokens, and its drafts' values, count that many times."""
     m = len(plans)
+    w = weights or [1] * m
+    if len(w) != m:
+        raise ValueError(f"share_rows: {len(w)} weights for {m} plans")
     keep = [1 if p is not None and p.probe and p.drafts else 0 for p in plans]
     rows = m + sum(keep)
-    tokens = m + sum(p.values[0] for p, k in zip(plans, keep) if k)
+    tokens = sum(w) + sum(wi * p.values[0] for p, k, wi in zip(plans, keep, w) if k)
     base = tokens / batch_cost(r, rows)
-    ranked = sorted(((v, i) for i, (p, k) in enumerate(zip(plans, keep)) if p is not None for v in p.values[k:]),
-                    key=lambda t: -t[0])
+    ranked = sorted(((w[i] * v, i) for i, (p, k) in enumerate(zip(plans, keep)) if p is not None
+                     for v in p.values[k:]), key=lambda t: -t[0])
     best_n, best = 0, base * margin
     for n, (v, _) in enumerate(ranked, start=1):
         tokens += v

@@ -506,7 +506,7 @@ class ModelWorker:
             by_id = plans if plans is not None else self._plans(cands)
             plans = [by_id.get(id(cands[i])) if same[i] is None else None for i in range(len(cands))]
             keep = [0] * len(cands)
-            for i, k in zip(run, self._shared_rows([plans[i] for i in run])):
+            for i, k in zip(run, self._shared_rows([plans[i] for i in run], _twins(same, run))):
                 keep[i] = k
             for i, j in enumerate(same):
                 if j is not None:  # a twin verifies the rows of the first with the same tokens so far
@@ -541,21 +541,23 @@ class ModelWorker:
                 self._step(c, lg if same[i] is None else lg.clone(),
                            None if feats is None else feats[r.stop - 1 - k:r.stop], plan, k)
 
-    def _shared_rows(self, plans: list) -> list[int]:
-        """How many drafts of each plan a shared pass verifies (`speculative.share_rows`; none before r(k) is
-        measured)."""
+    def _shared_rows(self, plans: list, weights: list[int] | None = None) -> list[int]:
+        """How many drafts of each plan a shared pass verifies (`speculative.share_rows`, each plan weighted by
+        the candidates that take its rows; none before r(k) is measured)."""
         r = getattr(self.engine, "r_table", None)
         if not r or not any(p is not None and p.drafts for p in plans):
             return [0] * len(plans)
-        return share_rows(plans, r)
+        return share_rows(plans, r, weights=weights)
 
     def _plans(self, cands: list[Candidate]) -> dict:
         """The candidates' plans by id; none where no draft could pay in their shared pass: where even drafts
         sure to be accepted yield fewer tokens per unit of cost than the pass's plain rows (a pass of ten rows
         on this CPU is bound by its multiplies), asking the lookups would only cost their time."""
         r = getattr(self.engine, "r_table", None)
-        lead = [c for c, j in zip(cands, _same_rows(cands)) if j is None]  # twins take the first one's plan
-        if not r or not drafts_may_pay(len(lead), r):
+        same = _same_rows(cands)
+        run = [i for i, j in enumerate(same) if j is None]
+        lead = [cands[i] for i in run]  # twins take the first one's plan
+        if not r or not drafts_may_pay(len(lead), r, _twins(same, run)):
             return {}
         return {id(c): self._plan(c) for c in lead}
 
@@ -601,8 +603,8 @@ class ModelWorker:
         same = _same_rows(group)
         lead = [i for i, j in enumerate(same) if j is None]  # twins share the rows of the first (`_batched_pass`)
         got = [plans.get(id(group[i])) for i in lead] if plans else [None] * len(lead)
-        keep = self._shared_rows(got)
-        size = [sum(1 for j in same if j == i) + 1 for i in lead]
+        size = _twins(same, lead)
+        keep = self._shared_rows(got, size)
         tokens = len(group) + sum(n * sum(p.values[:k]) for p, k, n in zip(got, keep, size) if k)
         return tokens / batch_cost(r, len(lead) + sum(keep))
 
@@ -856,6 +858,12 @@ def _same_rows(cands: list[Candidate]) -> list[int | None]:
         j = first.setdefault((id(c.req), c.group, tuple(out), c.gen.pos), i)
         same.append(j if j != i else None)
     return same
+
+
+def _twins(same: list[int | None], lead: list[int]) -> list[int]:
+    """Per candidate in `lead` (those whose rows a pass computes, `_same_rows`), how many candidates take its rows:
+    itself and its twins."""
+    return [1 + sum(1 for j in same if j == i) for i in lead]
 
 
 def _shared_prompts(cands: list[Candidate], inputs: list[tuple]) -> list | None:
