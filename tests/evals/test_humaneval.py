@@ -71,6 +71,10 @@ def test_a_small_run_through_the_server(tmp_path, smollm_path):
     # each run is its own tenant: no request finds the same problem's request before it in the KV slots (without
     # the runs' salts the n = 1 request after n = 3 reused 189 of its 190 prompt tokens)
     assert all(r["cached_tokens"] < r["prompt_tokens"] // 2 for r in records)
+    # ... and each run finds its own rows of the problem before (the chat template's and system prompt's shared
+    # prefix) alike: with three slots for the n = 3 and n = 1 runs the n = 1 run found none (its slot was taken)
+    second = records[4:]
+    assert second[0]["cached_tokens"] > 0 and len({r["cached_tokens"] for r in second}) == 1, second
     assert "| standard | 3 | 2 |" in p.stdout and "wall-clock of n = 1" in p.stdout
     assert "on the 2 problems with each candidate's tokens" in p.stdout
     png = summary.with_suffix(".png")

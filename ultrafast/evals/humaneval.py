@@ -208,7 +208,10 @@ def run(args) -> int:
     # Each run (tier, n) is its own tenant of the server's caches: the same problem's requests go back to back,
     # and a request must not find the one before it in the KV slots (its prompt's rows: no prefill) or in the
     # suffix drafter's history (the same seed's candidate 0, drafted whole). Within a run, earlier problems'
-    # rows and text serve later ones as they would an agent's.
+    # rows and text serve later ones as they would an agent's. The server started for the run has a slot for
+    # every candidate of every run, so each run finds its own earlier rows: with n slots the n-candidate request
+    # took them all and the one-candidate run never found its own (the n = 10 run prefilled the prompt after its
+    # shared prefix, the n = 1 run the whole prompt).
     salts = {r: f"humaneval-{r[0]}-n{r[1]}-{uuid.uuid4().hex}" for r in runs}
     bits = activation_bits(args)
     acts = f"{bits}-bit" if bits else "the server's own"
@@ -217,7 +220,7 @@ def run(args) -> int:
           f"{sandbox.isolation()}; records -> {out}",
           file=sys.stderr)
     results: dict[tuple[str, int], list[ProblemResult]] = {r: [] for r in runs}
-    with served(args, slots=max(args.n, 4)) as (base_url, model), out.open("a") as records:
+    with served(args, slots=max(sum(n for _, n in runs), 4)) as (base_url, model), out.open("a") as records:
         current = settings(args, model)
         done, other = resumable(out, current) if args.resume else ({}, 0)
         if args.resume:
