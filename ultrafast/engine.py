@@ -121,8 +121,8 @@ class Engine:
             packed = not bf16 and device == "cpu" and kernels.available()
         if bf16 and (packed or activation_bits != 16 or tp is not None):
             raise ValueError("bf16 weights are the reference path's: not with packed kernels, activation_bits or tp")
-        if activation_bits == 8 and not (packed and kernels.vnni_supported()):
-            raise ValueError("8-bit activations need the packed AVX512-VNNI CPU kernels, which this run lacks")
+        if activation_bits == 8 and not packed:
+            raise ValueError("8-bit activations need the packed CPU kernels, which this run lacks")
         transform = partial(apply_packed, act_bits=activation_bits) if packed else None
         if bf16:
             from .bf16 import apply_bf16
@@ -190,7 +190,7 @@ class Engine:
         packed = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
         if packed:
             fused = "fused layers" if isinstance(self.model.layers[0], FusedBlock) else "per-op"
-            path = kernels.path_in_use()
+            path = kernels.linear_path(packed[0].qtype, packed[0].act_bits) or kernels.path_in_use()
             if packed[0].act_bits == 8:
                 path = path.replace("int16", "int8")
             return f"packed, {fused}, {path}"

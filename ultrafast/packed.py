@@ -230,6 +230,10 @@ def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16
             bias = tensors[f"{name}.bias"].dequantize() if f"{name}.bias" in tensors else None
             if qt.qtype not in kernels.SUPPORTED_TYPES:
                 continue  # stays a plain linear, filled in by the reference build
+            if act_bits == 8 and not kernels.linear_path(qt.qtype, 8):
+                raise ValueError(f"8-bit activations: the kernels of this CPU ({kernels.path_in_use()}) do not multiply "
+                                 f"{name}'s weights (GGML type {qt.qtype}) with int8 activations; they need the "
+                                 "AVX512-VNNI kernels (every quantized type) or AVX2 (Q4_K and Q6_K)")
             lin = PackedLinear(qt.raw, qt.qtype, mod.in_features, mod.out_features, bias, act_bits)
             lins.append(lin)
             swap_module(model, name, lin)

@@ -488,9 +488,9 @@ def test_qmatmul_non_finite_inputs_propagate(path, qtype):
 # ---------------------------------------------------------------------------------------------------------
 # int8 activations (act_bits=8: llama.cpp's precision, VNNI path only)
 
-def _round_int8(x: torch.Tensor) -> torch.Tensor:
-    """x rounded per block of 32 as the kernels do: s = max|x| / 127 in fp32, q = rint(x / s)."""
-    xb = x.reshape(-1, 32)
+def _round_int8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x rounded per block (the VNNI kernels: 32 values) as the kernels do: s = max|x| / 127 in fp32, q = rint(x / s)."""
+    xb = x.reshape(-1, block)
     s = xb.abs().amax(-1, keepdim=True) / 127.0
     q = torch.where(s > 0, torch.round(xb / torch.where(s > 0, s, torch.ones_like(s))), torch.zeros_like(xb))
     return (q.double() * s.double()).reshape(x.shape)
@@ -524,13 +524,55 @@ def test_int8_activations_batch_invariant(vnni, qtype):
         assert torch.equal(uk.qmatmul(x[:16], raw, qtype, k_in, act_bits=8), singles[:16])
 
 
+# int8 activations on the AVX2 integer kernels (avx2-int8: Q4_K and Q6_K, x rounded per super-block of 256)
+
+@pytest.fixture
+def avx2_int8():
+    """The AVX2 kernels as the path in use (int8 activations then take the avx2-int8 ops), auto again after."""
+    if not uk.load().avx2_supported():
+        pytest.skip("CPU without AVX2")
+    uk.set_kernels_path("avx2")
+    yield
+    uk.set_kernels_path("auto")
+
+
+@pytest.mark.parametrize("qtype", [uk.Q4_K, uk.Q6_K], ids=lambda t: NAMES[t])
+def test_avx2_int8_activations_are_exact_products_of_the_rounded_x(avx2_int8, qtype):
+    """On the AVX2 path act_bits=8 rounds x to int8 per super-block of 256 (llama.cpp's Q8_K) and multiplies it
+    with the file's integers exactly: the output equals rounded-x @ dequant(W).T to fp32 summation error."""
+    assert uk.linear_path(qtype, 8) == "avx2-int8" and uk.linear_path(qtype, 16) == "avx2-fp32"
+    for i, k in enumerate(K_VALUES[qtype]):
+        raw = random_weight(qtype, 29, k, seed=20 + i)
+        w = dequant(raw, qtype, k).double()
+        x = torch.randn(6, k, generator=torch.Generator().manual_seed(i))
+        x[1, :256] = 0.0  # an all-zero super-block
+        y8 = uk.qmatmul(x, torch.from_numpy(raw), qtype, k, act_bits=8)
+        ref = _round_int8(x, 256) @ w.T
+        scale = x.double().abs() @ w.abs().T
+        assert ((y8.double() - ref).abs() <= 2e-6 * scale + 1e-30).all(), f"K={k}"
+        y16 = uk.qmatmul(x, torch.from_numpy(raw), qtype, k)
+        assert (y8 - y16).abs().max() > 10 * (y8.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("qtype", [uk.Q4_K, uk.Q6_K], ids=lambda t: NAMES[t])
+def test_avx2_int8_activations_batch_invariant(avx2_int8, qtype):
+    k_in = K_VALUES[qtype][-1]
+    raw = torch.from_numpy(random_weight(qtype, 35, k_in, seed=7))
+    x = torch.randn(37, k_in, generator=torch.Generator().manual_seed(1))
+    singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, qtype, k_in, act_bits=8) for i in range(37)])
+    for k in (2, 3, 5, 8, 9, 16, 37):  # chunks of up to 4 rows, whole rows (k <= 8) and the weight-tiled schedule
+        assert torch.equal(uk.qmatmul(x[:k], raw, qtype, k_in, act_bits=8), singles[:k]), f"k={k}"
+    with num_threads(1):
+        assert torch.equal(uk.qmatmul(x[:16], raw, qtype, k_in, act_bits=8), singles[:16])
+
+
 def test_act_bits_errors():
     raw = torch.from_numpy(random_weight(uk.Q8_0, 4, 64, seed=0))
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="act_bits must be 16 or 8"):
         uk.qmatmul(x, raw, uk.Q8_0, 64, act_bits=4)
     if uk.load().avx512_supported() or uk.load().avx2_supported():
-        uk.set_kernels_path("fp32")  # AVX-512, else AVX2: no int8 activations on either
+        uk.set_kernels_path("fp32")  # AVX-512, else AVX2: int8 activations there only for Q4_K and Q6_K (AVX2)
         try:
             with pytest.raises(ValueError, match="int8 activations need the AVX512-VNNI"):
                 uk.qmatmul(x, raw, uk.Q8_0, 64, act_bits=8)

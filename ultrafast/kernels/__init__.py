@@ -56,7 +56,7 @@ import torch
 __all__ = [
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "SUPPORTED_TYPES",
     "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
-    "avx512_active", "vnni_supported", "set_force_scalar", "KernelBuildError", "decoder_block", "decoder_stack", "silu_mul", "path_in_use", "set_kernels_path",
+    "avx512_active", "vnni_supported", "linear_path", "set_force_scalar", "KernelBuildError", "decoder_block", "decoder_stack", "silu_mul", "path_in_use", "set_kernels_path",
     "multiply_peak", "MultiplyPeak", "fma_peak", "paired_macs", "PAIRED_LAYOUTS", "Q4_0_R16", "Q4_1_R16", "Q5_0_R16", "Q8_0_R16", "Q4_K_R2", "Q6_K_R16",
     "repack_vnni", "vnni_layout", "sample_row",
 ]
@@ -78,7 +78,7 @@ Q4_0_R16, Q4_1_R16, Q5_0_R16, Q8_0_R16, Q4_K_R2, Q6_K_R16 = 102, 103, 106, 108, 
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ["qmatmul.cpp", "kernel_variant.cpp", "decoder_layer.cpp", "scalar.cpp", "qmatmul_avx512.cpp",
-            "qmatmul_avx2.cpp", "qmatmul_vnni.cpp", "sampling.cpp"]
+            "qmatmul_avx2.cpp", "qmatmul_avx2_int8.cpp", "qmatmul_vnni.cpp", "sampling.cpp"]
 _HEADERS = ["kernel_variant.h", "qmatmul_kernels.h", "qmatmul_fp32.h", "attention_simd.h", "activation_simd.h",
             "exp_simd.h", "decoder_layer.h",
             "row_ops.h", "scratch.h"]
@@ -207,6 +207,13 @@ def vnni_supported() -> bool:
     """Whether this CPU runs the AVX512-VNNI integer kernels and they are the path in use (8-bit activations
     need them)."""
     return available() and load().vnni_supported() and path_in_use().startswith("vnni")
+
+
+def linear_path(qtype: int, act_bits: int = 16) -> str:
+    """The kernels a linear of this GGML type runs on now with act_bits-bit activations ("vnni-int16", "avx2-int8",
+    "avx512-fp32", "avx2-fp32", "scalar"), or "" where none multiplies that type at that width (int8 activations
+    need the VNNI kernels, or for Q4_K and Q6_K the AVX2 ones)."""
+    return str(load().linear_path(int(qtype), int(act_bits))) if available() else ""
 
 
 def avx512_active() -> bool:

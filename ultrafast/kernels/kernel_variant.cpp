@@ -21,6 +21,8 @@ constexpr LinearOps kScalar{"scalar", qmm_prep_bytes_scalar, qmm_prep_units_scal
 constexpr LinearOps kAvx512{"avx512-fp32", qmm_prep_bytes_avx512, qmm_prep_units_avx512, qmm_prep_avx512,
                             qmm_rows_avx512};
 constexpr LinearOps kAvx2{"avx2-fp32", qmm_prep_bytes_avx2, qmm_prep_units_avx2, qmm_prep_avx2, qmm_rows_avx2};
+constexpr LinearOps kAvx2Int8{"avx2-int8", qmm_prep_bytes_avx2_int8, qmm_prep_units_avx2_int8, qmm_prep_avx2_int8,
+                              qmm_rows_avx2_int8};
 constexpr LinearOps kVnni{"vnni-int16", qmm_prep_bytes_vnni, qmm_prep_units_vnni, qmm_prep_vnni, qmm_rows_vnni};
 
 bool avx512_cpu() {
@@ -73,7 +75,10 @@ const LinearOps* linear_ops(int qt, bool x8) {
   if (!type_info(qt, &ti)) return nullptr;
   if (is_vnni_layout(qt)) return vnni_in_use() ? &kVnni : nullptr;  // layouts only the VNNI kernels read
   if (qmm_vnni_supports(qt) && vnni_in_use()) return &kVnni;
-  if (x8 && qmm_vnni_supports(qt)) return nullptr;  // int8 activations exist only in the VNNI kernels
+  if (x8 && qmm_vnni_supports(qt)) {  // int8 activations: the VNNI kernels, else the AVX2 integer ones (Q4_K, Q6_K)
+    const bool avx2 = fp32_ops() != nullptr && avx2_cpu();
+    return avx2 && qmm_avx2_int8_supports(qt) ? &kAvx2Int8 : nullptr;
+  }
   const LinearOps* f = fp32_ops();
   return f != nullptr ? f : &kScalar;
 }

@@ -78,7 +78,7 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t
   if (k == 0 || N == 0) return y;
 
   const LinearOps* ops = linear_ops((int)qtype, act_bits == 8);
-  TORCH_CHECK_VALUE(ops != nullptr, "qmatmul: int8 activations need the AVX512-VNNI kernels, as do their own layouts (Q4_K_R2, *_R16; path in use: ",
+  TORCH_CHECK_VALUE(ops != nullptr, "qmatmul: int8 activations need the AVX512-VNNI kernels (or, for Q4_K and Q6_K, the AVX2 ones), as do the VNNI layouts (Q4_K_R2, *_R16; path in use: ",
                     path_in_use(), ")");
   const bool x8 = act_bits == 8;
   const float* xp = x.data_ptr<float>();
@@ -564,6 +564,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni_supported", []() { return ultrafast::avx512_usable() && ultrafast::vnni_usable(); },
         "whether this CPU can run the AVX512-VNNI integer path");
   m.def("avx2_supported", &ultrafast::avx2_usable, "whether this CPU can run the AVX2 path");
+  m.def("int8_activations", [](int64_t qtype) { return ultrafast::linear_ops((int)qtype, true) != nullptr; },
+        "whether the path in use multiplies weights of this type with int8 activations", py::arg("qtype"));
+  m.def("linear_path", [](int64_t qtype, int64_t act_bits) {
+          const ultrafast::LinearOps* ops = ultrafast::linear_ops((int)qtype, act_bits == 8);
+          return std::string(ops != nullptr ? ops->name : "");
+        }, "the kernels a linear of this type and activation width runs on now ('' where none does)",
+        py::arg("qtype"), py::arg("act_bits"));
   m.def("path_in_use", []() { return std::string(ultrafast::path_in_use()); },
         "vnni-int16, avx512-fp32, avx2-fp32 or scalar");
   m.def("set_kernels_path", &ultrafast::set_kernels_path, "auto, vnni (= auto), fp32, avx2 or scalar; process-wide");

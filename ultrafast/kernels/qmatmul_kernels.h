@@ -115,6 +115,16 @@ void attn_group_avx2(const float* q, int G, const float* kc, const float* vc, in
 // silu_mul_avx512's contract, 8 lanes at a time
 void silu_mul_avx2(float* g, const float* u, int64_t n);
 
+// ---- AVX2 integer path for int8 activations (qmatmul_avx2_int8.cpp): Q4_K and Q6_K in the file's layout, x
+// quantized per super-block of 256 to int8 (llama.cpp's Q8_K), vpmaddubsw/vpmaddwd integer sums. The same contract
+// as qmm_rows_avx512 (not the same bits); the x8 argument is ignored (always int8).
+bool qmm_avx2_int8_supports(int qtype);
+int64_t qmm_prep_bytes_avx2_int8(int qtype, int64_t K, bool x8);
+int64_t qmm_prep_units_avx2_int8(int qtype, int64_t K);
+void qmm_prep_avx2_int8(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool x8);
+bool qmm_rows_avx2_int8(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
+                        int64_t ldy, int64_t n0, int64_t n1, bool x8);
+
 // ---- AVX512-VNNI integer path (qmatmul_vnni.cpp): int16 activations (per 32-block scale; x8: int8, as
 // llama.cpp), exact integer dot products with the file's quantized weights. Types Q4_0, Q4_1, Q5_0, Q8_0,
 // Q4_K, Q6_K, and their layouts made at load (vnni_layout).

@@ -1,0 +1,296 @@
+// AVX2 integer kernels for 8-bit activations: the "avx2-int8" linear ops, for CPUs without AVX-512 (Zen 1-3, most
+// Intel client parts), where the fp32 kernels (qmatmul_avx2.cpp) convert every weight to float and multiply in fp32.
+// Types: Q4_K and Q6_K in the file's layout (the Qwen2.5-Coder files' linears).
+//
+// Numerics (llama.cpp's for these types on AVX2: its Q8_K activations): each activation row is quantized once per
+// call, per super-block of 256 values, to int8: s = max|x| / 127, q_i = rint(x_i / s) (q = 0 where max|x| = 0). The
+// weights stay the file's small unsigned integers (Q4_K 0..15, Q6_K 0..63), multiplied with q by vpmaddubsw
+// (unsigned byte x signed byte, adjacent pairs summed into int16: at most 2 * 63 * 127, never saturating), then by
+// the sub-block's integer scale with vpmaddwd (int16 pairs into int32): the super-block's sum of sc_j * q_w . q_x is
+// exact in int32. Q6_K's -32 offset is folded in exactly, as 32 * sum_g sc_g * (sum of q over scale group g). Per
+// super-block that sum is converted to fp32 and applied as
+//     acc += (d * s) * isum                 (then, Q4_K: acc -= (dmin * m_j) * (s * sum of q over sub-block j))
+// with acc an 8-lane fp32 accumulator per output. The only approximation is the int8 rounding of x (and the
+// convert of a Q6_K sum past 2^24).
+//
+// Batch invariance, as in every variant (kernel_variant.h): an output y[r][n] is one fixed sequence of operations
+// that depends only on (type, K, weight row n, activation row r): per super-block the integer sum (exact), one
+// convert, one multiply (d * s), one fma, (Q4_K) one fnmadd; super-blocks in order; a fixed-tree sum of the 8 lanes.
+// The tile (1 weight row x R <= RMAX activation rows), the schedule and the thread never change it. Results are
+// not the VNNI path's bits (that path scales x per block of 32).
+//
+// Compiled for the baseline ISA with a target pragma, entered only after avx2_usable(); no standard-library or
+// torch header (see qmatmul_kernels.h).
+#include "qmatmul_kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+#include <immintrin.h>
+
+#define UF_INLINE inline __attribute__((always_inline))
+
+namespace ultrafast {
+namespace {
+
+// A prepared super-block (XSB bytes, rows ldx = nsb * XSB apart): int8 q[256] at 0; at XS, 8 floats s * (sum of q
+// over sub-block j of 32); at BS, 16 int16 sums of q over each scale group of 16; at S, the float s.
+constexpr int64_t SBV = 256, XSB = 384, XS = 256, BS = 288, S = 320;
+constexpr int RMAX = 4;  // activation rows a tile: the 8 decoded weight vectors, R accumulators and temporaries
+
+UF_INLINE float h2f(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+UF_INLINE __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+UF_INLINE float hsum8(__m256 v) {  // fixed tree
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+void prep_row(const float* x, int64_t K, uint8_t* out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / SBV; ++b) {
+    const float* v = x + b * SBV;
+    uint8_t* o = out + b * XSB;
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < SBV; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float s = amax / 127.0f;
+    const __m256 sv = _mm256_set1_ps(amax > 0.0f ? s : 1.0f);  // an all-zero super-block: q = 0
+    for (int i = 0; i < SBV; i += 32) {  // rint(x / s) (the default rounding: to nearest even), int32 -> int8 in order
+      __m256i a[4];
+      for (int j = 0; j < 4; ++j) a[j] = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(v + i + 8 * j), sv));
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm256_permutevar8x32_epi32(p, order));
+    }
+    const int8_t* q = reinterpret_cast<const int8_t*>(o);
+    float* xs = reinterpret_cast<float*>(o + XS);
+    int16_t* bs = reinterpret_cast<int16_t*>(o + BS);
+    for (int g = 0; g < 16; ++g) {
+      int sum = 0;
+      for (int i = 0; i < 16; ++i) sum += q[16 * g + i];
+      bs[g] = (int16_t)sum;
+    }
+    for (int j = 0; j < 8; ++j) xs[j] = s * (float)(bs[2 * j] + bs[2 * j + 1]);
+    __builtin_memcpy(o + S, &s, 4);
+  }
+}
+
+// vpshufb masks that fill a 128-bit lane with int16 word w (the low lane: word lo, the high lane: word hi).
+UF_INLINE __m256i word_mask(int lo, int hi) {
+  return _mm256_setr_epi8(2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo,
+                          2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * hi, 2 * hi + 1,
+                          2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi,
+                          2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1);
+}
+
+// Q4_K (144 bytes: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: 32-byte chunk c holds values
+// 64c..64c+31 in its low nibbles (sub-block 2c) and 64c+32..64c+63 in its high ones (sub-block 2c+1)).
+struct Q4K {
+  static constexpr int64_t BYTES = 144;
+  struct Dec {
+    __m256i w[8];       // the 256 values, 32 a vector, in order
+    __m256i sc[8];      // sub-block j's scale in every int16 word
+    __m256 d, dm;       // d; dmin * m_j on lane j
+  };
+  static UF_INLINE void decode(const uint8_t* p, Dec& D) {
+    uint32_t s0, s1, s2;
+    __builtin_memcpy(&s0, p + 4, 4);
+    __builtin_memcpy(&s1, p + 8, 4);
+    __builtin_memcpy(&s2, p + 12, 4);
+    const uint32_t u0 = s0 & 0x3f3f3f3fu;  // ggml get_scale_min_k4
+    const uint32_t u1 = (s2 & 0x0f0f0f0fu) | (((s0 >> 6) & 0x03030303u) << 4);
+    const uint32_t u2 = s1 & 0x3f3f3f3fu;
+    const uint32_t u3 = ((s2 >> 4) & 0x0f0f0f0fu) | (((s1 >> 6) & 0x03030303u) << 4);
+    const __m128i sc8 = _mm_setr_epi32((int)u0, (int)u1, 0, 0), m8 = _mm_setr_epi32((int)u2, (int)u3, 0, 0);
+    const __m128i sc16 = _mm_cvtepu8_epi16(sc8);
+    const __m256i scw = _mm256_set_m128i(sc16, sc16);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) D.sc[j] = _mm256_shuffle_epi8(scw, word_mask(j, j));
+    D.d = _mm256_set1_ps(h2f(p));
+    D.dm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)), _mm256_set1_ps(h2f(p + 2)));
+    const __m256i m0f = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i Q = load256(p + 16 + 32 * c);
+      D.w[2 * c] = _mm256_and_si256(Q, m0f);
+      D.w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(Q, 4), m0f);
+    }
+  }
+  // one (weight row, activation row, super-block): the integer sum, then the fp32 step into acc
+  static UF_INLINE void product(const Dec& D, const uint8_t* xb, __m256& acc) {
+    __m256i sum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i p = _mm256_maddubs_epi16(D.w[j], load256(xb + 32 * j));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, D.sc[j]));
+    }
+    const __m256 t = _mm256_mul_ps(D.d, _mm256_broadcast_ss(reinterpret_cast<const float*>(xb + S)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), t, acc);
+    acc = _mm256_fnmadd_ps(D.dm, _mm256_loadu_ps(reinterpret_cast<const float*>(xb + XS)), acc);
+  }
+};
+
+// Q6_K (210 bytes: ql[128], qh[64], 16 int8 scales, d). Half h (values 128h..128h+127) reads ql + 64h and qh + 32h:
+// value 128h + 32c + l (l < 32) is (ql[l + 32 (c & 1)] >> 4 (c >> 1)) & 15 | ((qh[l] >> 2c) & 3) << 4; scale group
+// of value i: i / 16.
+struct Q6K {
+  static constexpr int64_t BYTES = 210;
+  struct Dec {
+    __m256i w[8];   // the 256 values, 32 a vector, in order
+    __m256i sc[8];  // vector m's scale groups 2m (low lane) and 2m + 1 (high lane), in every int16 word of the lane
+    __m256i sc16;   // the 16 scales as int16
+    __m256 d;
+  };
+  static UF_INLINE void decode(const uint8_t* p, Dec& D) {
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+    D.sc16 = _mm256_cvtepi8_epi16(s8);
+    const __m256i lo = _mm256_permute2x128_si256(D.sc16, D.sc16, 0x00), hi = _mm256_permute2x128_si256(D.sc16, D.sc16, 0x11);
+#pragma GCC unroll 4
+    for (int m = 0; m < 4; ++m) {
+      D.sc[m] = _mm256_shuffle_epi8(lo, word_mask(2 * m, 2 * m + 1));
+      D.sc[m + 4] = _mm256_shuffle_epi8(hi, word_mask(2 * m, 2 * m + 1));
+    }
+    D.d = _mm256_set1_ps(h2f(p + 208));
+    const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i L0 = load256(p + 64 * h), L1 = load256(p + 64 * h + 32), H = load256(p + 128 + 32 * h);
+      D.w[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(L0, m0f), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30));
+      D.w[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(L1, m0f), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30));
+      D.w[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m0f), _mm256_and_si256(H, m30));
+      D.w[4 * h + 3] =
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m0f), _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
+    }
+  }
+  static UF_INLINE void product(const Dec& D, const uint8_t* xb, __m256& acc) {
+    // -32 * sum_g sc_g * (sum of x over group g), exact
+    __m256i sum = _mm256_slli_epi32(_mm256_madd_epi16(D.sc16, load256(xb + BS)), 5);
+    sum = _mm256_sub_epi32(_mm256_setzero_si256(), sum);
+#pragma GCC unroll 8
+    for (int m = 0; m < 8; ++m) {
+      const __m256i p = _mm256_maddubs_epi16(D.w[m], load256(xb + 32 * m));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, D.sc[m]));
+    }
+    const __m256 t = _mm256_mul_ps(D.d, _mm256_broadcast_ss(reinterpret_cast<const float*>(xb + S)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), t, acc);
+  }
+};
+
+// One weight row (nsb super-blocks at p) against R activation rows (xg, ldx apart): y[r * ldy].
+template <class T, int R>
+__attribute__((noinline)) void run(const uint8_t* __restrict p, int64_t nsb, const uint8_t* __restrict xg,
+                                   int64_t ldx, float* y, int64_t ldy) {
+  __m256 acc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nsb; ++b) {
+    typename T::Dec D;
+    T::decode(p + b * T::BYTES, D);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) T::product(D, xg + r * ldx + b * XSB, acc[r]);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]);
+}
+
+template <class T>
+void run_rows(const uint8_t* p, int64_t nsb, const uint8_t* xg, int64_t ldx, int64_t rr, float* y, int64_t ldy) {
+  switch (rr) {
+    case 1: run<T, 1>(p, nsb, xg, ldx, y, ldy); break;
+    case 2: run<T, 2>(p, nsb, xg, ldx, y, ldy); break;
+    case 3: run<T, 3>(p, nsb, xg, ldx, y, ldy); break;
+    default: run<T, 4>(p, nsb, xg, ldx, y, ldy); break;
+  }
+}
+
+// Weight rows [n0, n1) against the k prepared rows, in chunks of RMAX activation rows as even as they can be. Few rows
+// (decode, verification): each weight row is read once from memory and then met by every chunk (it stays in L1).
+// More (prefill): tiles of weight rows of ~128 KB, read from memory once and kept in L2, each swept by every chunk.
+// Both schedules give every output the same operations.
+template <class T>
+void rows_impl(const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y, int64_t ldy,
+               int64_t n0, int64_t n1) {
+  const int64_t nsb = K / SBV, ldx = nsb * XSB;
+  const int64_t nch = (k + RMAX - 1) / RMAX, per = (k + nch - 1) / nch;
+  int64_t tile = (128 * 1024) / (rb > 0 ? rb : 1);
+  if (tile < 1) tile = 1;
+  if (k <= 2 * RMAX) tile = n1 - n0;
+  for (int64_t nt = n0; nt < n1; nt += tile) {
+    const int64_t ne = nt + tile < n1 ? nt + tile : n1;
+    if (k <= 2 * RMAX) {
+      for (int64_t n = nt; n < ne; ++n)
+        for (int64_t r0 = 0; r0 < k; r0 += per)
+          run_rows<T>(w + n * rb, nsb, xg + r0 * ldx, ldx, k - r0 < per ? k - r0 : per, y + r0 * ldy + n, ldy);
+    } else {
+      for (int64_t r0 = 0; r0 < k; r0 += per)
+        for (int64_t n = nt; n < ne; ++n)
+          run_rows<T>(w + n * rb, nsb, xg + r0 * ldx, ldx, k - r0 < per ? k - r0 : per, y + r0 * ldy + n, ldy);
+    }
+  }
+}
+
+}  // namespace
+
+bool qmm_avx2_int8_supports(int qtype) { return qtype == QT_Q4_K || qtype == QT_Q6_K; }
+
+int64_t qmm_prep_bytes_avx2_int8(int, int64_t K, bool) { return (K + SBV - 1) / SBV * XSB; }
+
+int64_t qmm_prep_units_avx2_int8(int, int64_t) { return 1; }
+
+void qmm_prep_avx2_int8(int, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool) {
+  if (u0 < u1) prep_row(x, K, xg);
+}
+
+bool qmm_rows_avx2_int8(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
+                        int64_t ldy, int64_t n0, int64_t n1, bool) {
+  if (K % SBV != 0) return false;
+  if (qtype == QT_Q4_K) {
+    rows_impl<Q4K>(xg, k, K, w, rb, y, ldy, n0, n1);
+    return true;
+  }
+  if (qtype == QT_Q6_K) {
+    rows_impl<Q6K>(xg, k, K, w, rb, y, ldy, n0, n1);
+    return true;
+  }
+  return false;
+}
+
+}  // namespace ultrafast
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#else  // not x86-64 GCC/clang: no AVX2 kernels
+
+namespace ultrafast {
+bool qmm_avx2_int8_supports(int) { return false; }
+int64_t qmm_prep_bytes_avx2_int8(int, int64_t, bool) { return 0; }
+int64_t qmm_prep_units_avx2_int8(int, int64_t) { return 0; }
+void qmm_prep_avx2_int8(int, const float*, int64_t, uint8_t*, int64_t, int64_t, bool) {}
+bool qmm_rows_avx2_int8(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t,
+                        int64_t, bool) {
+  return false;
+}
+}  // namespace ultrafast
+
+#endif
