@@ -250,6 +250,16 @@ def test_fma_peak():
         uk.fma_peak(0)
 
 
+def test_int8_madd_peak():
+    if not uk.load().avx2_supported():
+        assert uk.int8_madd_peak(1, iters=1000, reps=1) is None
+        return
+    rate = uk.int8_madd_peak(1, iters=200_000, reps=2)
+    assert rate > 3.2e9  # multiply-adds per second: 32 a step, and any AVX2 core runs far more than 1e8 steps
+    with pytest.raises(ValueError, match="threads"):
+        uk.int8_madd_peak(0)
+
+
 def test_qmatmul_many_rows_thread_split(path):
     # enough rows that both threads get work, with a row count that is not a multiple of any tile size
     qtype, k_in, n = uk.Q4_K, 512, 16 * 45 + 5

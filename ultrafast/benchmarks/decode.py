@@ -180,8 +180,9 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
     bar.update(1)
     bar.note("the multiply peak")
     peak = kernels.multiply_peak(threads) if "vnni" in info["kernels"] else None
-    # the AVX2 fp32 kernels' limit; the avx2-int8 ones (8-bit activations) multiply in integers: no peak measured here
-    fma = kernels.fma_peak(threads) if "avx2-fp32" in info["kernels"] else None
+    # the AVX2 kernels' limit: fp32 FMAs, or (avx2-int8, 8-bit activations) vpmaddubsw + vpmaddwd
+    fma = kernels.fma_peak(threads) if "avx2-fp32" in info["kernels"] else \
+        kernels.int8_madd_peak(threads) if "avx2-int8" in info["kernels"] else None
     bar.update(1)
     ids = prompt_tokens(engine.tokenizer, prompt_len)
     bar.note(f"ours: prefill {prompt_len}, decode {gen}, r(k) for k = 1..{max_k}")
@@ -205,8 +206,9 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
             return max(t_mem, k * macs / r)
         multiply = {
             "vpdpbusd_per_s": peak.vpdpbusd_per_s if peak is not None else None,
-            "fma_per_s": fma / 8 if fma is not None else None,
-            "activation_bits": activation_bits if peak is not None else 32, "macs_per_s": rate,
+            "fma_per_s": fma / 8 if fma is not None and "avx2-fp32" in info["kernels"] else None,
+            "activation_bits": activation_bits if peak is not None or "int8" in info["kernels"] else 32,
+            "macs_per_s": rate,
             "macs_per_token": macs, "macs_per_token_prefill": macs_prefill,
             "physical_r_k": {k: physical(k) / physical(1) for k in ours.r_k},
             "arithmetic_macs_per_s": arith,
@@ -270,6 +272,10 @@ def format_table(r: dict) -> str:
             lines.append(f"multiply peak (measured, {t} threads): {mp['vpdpbusd_per_s'] / 1e9:.2f} G vpdpbusd/s = "
                          f"{mp['macs_per_s'] / 1e9:.0f} G int{mp['activation_bits']} MAC/s; "
                          f"{mp['macs_per_token'] / 1e9:.2f} G MACs per token")
+        elif mp["activation_bits"] == 8:  # avx2-int8
+            lines.append(f"multiply peak (measured, {t} threads): {mp['macs_per_s'] / 32e9:.2f} G (vpmaddubsw, vpmaddwd) "
+                         f"steps/s = {mp['macs_per_s'] / 1e9:.0f} G int8 MAC/s; {mp['macs_per_token'] / 1e9:.2f} G MACs "
+                         f"per token")
         else:
             lines.append(f"multiply peak (measured, {t} threads): {mp['fma_per_s'] / 1e9:.2f} G 8-lane FMA/s = "
                          f"{mp['macs_per_s'] / 1e9:.0f} G fp32 MAC/s; {mp['macs_per_token'] / 1e9:.2f} G MACs per token")

@@ -57,7 +57,7 @@ __all__ = [
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "BF16", "SUPPORTED_TYPES",
     "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
     "avx512_active", "vnni_supported", "linear_path", "set_force_scalar", "KernelBuildError", "decoder_block", "decoder_stack", "silu_mul", "path_in_use", "set_kernels_path",
-    "multiply_peak", "MultiplyPeak", "fma_peak", "paired_macs", "PAIRED_LAYOUTS", "Q4_0_R16", "Q4_1_R16", "Q5_0_R16", "Q8_0_R16", "Q4_K_R2", "Q6_K_R16",
+    "multiply_peak", "MultiplyPeak", "fma_peak", "int8_madd_peak", "paired_macs", "PAIRED_LAYOUTS", "Q4_0_R16", "Q4_1_R16", "Q5_0_R16", "Q8_0_R16", "Q4_K_R2", "Q6_K_R16",
     "repack_vnni", "vnni_layout", "sample_row",
 ]
 
@@ -320,6 +320,17 @@ def fma_peak(threads: int | None = None, iters: int = 10_000_000, reps: int = 3)
         raise ValueError(f"threads must be >= 1, got {threads}")
     rate = float(_ext_or_load().avx2_fma_peak(threads, int(iters), int(reps)))
     return 8.0 * rate if rate > 0 else None
+
+
+def int8_madd_peak(threads: int | None = None, iters: int = 10_000_000, reps: int = 3) -> float | None:
+    """Measure the multiply limit of the AVX2 integer kernels (`avx2-int8`) on `threads` threads together (default:
+    torch's thread count): int8 multiply-adds per second, best of `reps` runs of 6 independent chains of (vpmaddubsw,
+    vpmaddwd by a scale, vpaddd), 32 multiply-adds a step, `iters` steps per thread. None without AVX2."""
+    threads = torch.get_num_threads() if threads is None else int(threads)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    rate = float(_ext_or_load().avx2_madd_peak(threads, int(iters), int(reps)))
+    return 32.0 * rate if rate > 0 else None
 
 
 def _ext_or_load():

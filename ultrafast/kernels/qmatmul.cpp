@@ -491,6 +491,12 @@ double avx2_fma_peak(int64_t threads, int64_t iters, int64_t reps) {
   return best_rate(threads, iters, reps, [](int64_t n) { return avx2_fma_chains(n); });
 }
 
+double avx2_madd_peak(int64_t threads, int64_t iters, int64_t reps) {
+  TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "avx2_madd_peak: threads, iters and reps must be >= 1");
+  if (!avx2_usable()) return 0.0;
+  return best_rate(threads, iters, reps, [](int64_t n) { return avx2_madd_chains(n); });
+}
+
 // Rows of qtype laid out for the VNNI kernels (qmm_repack_vnni, type vnni_layout(qtype)): into `out` (uint8, w's shape,
 // contiguous, not overlapping w) when given, else a new tensor of the same shape; returns it.
 torch::Tensor repack_vnni(const torch::Tensor& w, int64_t qtype, int64_t in_features,
@@ -578,6 +584,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("threads"), py::arg("iters") = 10000000, py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
   m.def("avx2_fma_peak", &ultrafast::avx2_fma_peak, "8-lane FMA per second on `threads` threads (0: no AVX2)",
         py::arg("threads"), py::arg("iters") = 10000000, py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
+  m.def("avx2_madd_peak", &ultrafast::avx2_madd_peak,
+        "(vpmaddubsw, vpmaddwd, vpaddd) steps per second on `threads` threads (0: no AVX2)", py::arg("threads"),
+        py::arg("iters") = 10000000, py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
   m.def("vnni_product_peak", &ultrafast::vnni_product_peak,
         "128-value products per second with the kernels' arithmetic on `threads` threads (0: no VNNI)",
         py::arg("threads"), py::arg("iters"), py::arg("reps"), py::arg("act_bits"), py::call_guard<py::gil_scoped_release>());

@@ -42,7 +42,7 @@ namespace {
 // A prepared super-block (XSB bytes, rows ldx = nsb * XSB apart): int8 q[256] at 0; at XS, 8 floats s * (sum of q
 // over sub-block j of 32); at BS, 16 int16 sums of q over each scale group of 16; at S, the float s.
 constexpr int64_t SBV = 256, XSB = 384, XS = 256, BS = 288, S = 320;
-constexpr int RMAX = 4;  // activation rows a tile: the 8 decoded weight vectors, R accumulators and temporaries
+constexpr int RMAX = 8;  // activation rows a tile (their integer sums in registers, their accumulators as they fall)
 
 UF_INLINE float h2f(const uint8_t* p) {
   uint16_t h;
@@ -100,16 +100,19 @@ UF_INLINE __m256i word_mask(int lo, int hi) {
                           2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1);
 }
 
+// Per super-block of a weight row, against R activation rows: the weight vectors are made one at a time and each meets
+// the R rows' x before the next is made, so the R integer sums stay in registers beside it (16 ymm registers), summed
+// as they are made. Measured on the 1.5B's w1 (8960 x 1536, Q4_K), k = 8, 1 thread (`int8_madd_peak`: ~100 G
+// multiply-adds a second a core here): all eight vectors and their scales decoded first, then the rows, 45 G/s (they
+// lived on the stack); one vector at a time, 53; with the sums kept from being regrouped (GCC made all 32 products
+// first), 62; up to 8 rows a tile instead of 4 (the decode shared by twice the rows), 70 (Q6_K: 41, 48, 52, 60).
+
 // Q4_K (144 bytes: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: 32-byte chunk c holds values
 // 64c..64c+31 in its low nibbles (sub-block 2c) and 64c+32..64c+63 in its high ones (sub-block 2c+1)).
 struct Q4K {
   static constexpr int64_t BYTES = 144;
-  struct Dec {
-    __m256i w[8];       // the 256 values, 32 a vector, in order
-    __m256i sc[8];      // sub-block j's scale in every int16 word
-    __m256 d, dm;       // d; dmin * m_j on lane j
-  };
-  static UF_INLINE void decode(const uint8_t* p, Dec& D) {
+  template <int R>
+  static UF_INLINE void super_block(const uint8_t* p, const uint8_t* xb, int64_t ldx, __m256* acc) {
     uint32_t s0, s1, s2;
     __builtin_memcpy(&s0, p + 4, 4);
     __builtin_memcpy(&s1, p + 8, 4);
@@ -118,78 +121,81 @@ struct Q4K {
     const uint32_t u1 = (s2 & 0x0f0f0f0fu) | (((s0 >> 6) & 0x03030303u) << 4);
     const uint32_t u2 = s1 & 0x3f3f3f3fu;
     const uint32_t u3 = ((s2 >> 4) & 0x0f0f0f0fu) | (((s1 >> 6) & 0x03030303u) << 4);
-    const __m128i sc8 = _mm_setr_epi32((int)u0, (int)u1, 0, 0), m8 = _mm_setr_epi32((int)u2, (int)u3, 0, 0);
-    const __m128i sc16 = _mm_cvtepu8_epi16(sc8);
-    const __m256i scw = _mm256_set_m128i(sc16, sc16);
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) D.sc[j] = _mm256_shuffle_epi8(scw, word_mask(j, j));
-    D.d = _mm256_set1_ps(h2f(p));
-    D.dm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)), _mm256_set1_ps(h2f(p + 2)));
+    const __m128i sc16 = _mm_cvtepu8_epi16(_mm_setr_epi32((int)u0, (int)u1, 0, 0));
+    const __m256i scw = _mm256_set_m128i(sc16, sc16);  // sc_0..7 as int16 in both lanes
     const __m256i m0f = _mm256_set1_epi8(0x0F);
+    __m256i sum[R];
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       const __m256i Q = load256(p + 16 + 32 * c);
-      D.w[2 * c] = _mm256_and_si256(Q, m0f);
-      D.w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(Q, 4), m0f);
-    }
-  }
-  // one (weight row, activation row, super-block): the integer sum, then the fp32 step into acc
-  static UF_INLINE void product(const Dec& D, const uint8_t* xb, __m256& acc) {
-    __m256i sum = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // sub-block j = 2c + h
+        const int j = 2 * c + h;
+        const __m256i w = _mm256_and_si256(h ? _mm256_srli_epi16(Q, 4) : Q, m0f);
+        const __m256i sc = _mm256_shuffle_epi8(scw, word_mask(j, j));
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m256i p = _mm256_maddubs_epi16(D.w[j], load256(xb + 32 * j));
-      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, D.sc[j]));
+        for (int r = 0; r < R; ++r) {
+          const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(w, load256(xb + r * ldx + 32 * j)), sc);
+          sum[r] = j == 0 ? t : _mm256_add_epi32(sum[r], t);
+          __asm__("" : "+x"(sum[r]));  // summed as made: left free, GCC keeps all 32 products on the stack first
+        }
+      }
     }
-    const __m256 t = _mm256_mul_ps(D.d, _mm256_broadcast_ss(reinterpret_cast<const float*>(xb + S)));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), t, acc);
-    acc = _mm256_fnmadd_ps(D.dm, _mm256_loadu_ps(reinterpret_cast<const float*>(xb + XS)), acc);
+    const __m256 d = _mm256_set1_ps(h2f(p));
+    const __m256 dm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)u2, (int)u3, 0, 0))),
+                                    _mm256_set1_ps(h2f(p + 2)));  // dmin * m_j on lane j
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* x = xb + r * ldx;
+      const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + S)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), t, acc[r]);
+      acc[r] = _mm256_fnmadd_ps(dm, _mm256_loadu_ps(reinterpret_cast<const float*>(x + XS)), acc[r]);
+    }
   }
 };
 
 // Q6_K (210 bytes: ql[128], qh[64], 16 int8 scales, d). Half h (values 128h..128h+127) reads ql + 64h and qh + 32h:
 // value 128h + 32c + l (l < 32) is (ql[l + 32 (c & 1)] >> 4 (c >> 1)) & 15 | ((qh[l] >> 2c) & 3) << 4; scale group
-// of value i: i / 16.
+// of value i: i / 16, so weight vector m = 4h + c holds groups 2m (its low lane) and 2m + 1 (its high lane).
 struct Q6K {
   static constexpr int64_t BYTES = 210;
-  struct Dec {
-    __m256i w[8];   // the 256 values, 32 a vector, in order
-    __m256i sc[8];  // vector m's scale groups 2m (low lane) and 2m + 1 (high lane), in every int16 word of the lane
-    __m256i sc16;   // the 16 scales as int16
-    __m256 d;
-  };
-  static UF_INLINE void decode(const uint8_t* p, Dec& D) {
-    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
-    D.sc16 = _mm256_cvtepi8_epi16(s8);
-    const __m256i lo = _mm256_permute2x128_si256(D.sc16, D.sc16, 0x00), hi = _mm256_permute2x128_si256(D.sc16, D.sc16, 0x11);
-#pragma GCC unroll 4
-    for (int m = 0; m < 4; ++m) {
-      D.sc[m] = _mm256_shuffle_epi8(lo, word_mask(2 * m, 2 * m + 1));
-      D.sc[m + 4] = _mm256_shuffle_epi8(hi, word_mask(2 * m, 2 * m + 1));
-    }
-    D.d = _mm256_set1_ps(h2f(p + 208));
+  template <int R>
+  static UF_INLINE void super_block(const uint8_t* p, const uint8_t* xb, int64_t ldx, __m256* acc) {
     const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256i sum[R];
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256i L0 = load256(p + 64 * h), L1 = load256(p + 64 * h + 32), H = load256(p + 128 + 32 * h);
-      D.w[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(L0, m0f), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30));
-      D.w[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(L1, m0f), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30));
-      D.w[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m0f), _mm256_and_si256(H, m30));
-      D.w[4 * h + 3] =
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m0f), _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
-    }
-  }
-  static UF_INLINE void product(const Dec& D, const uint8_t* xb, __m256& acc) {
-    // -32 * sum_g sc_g * (sum of x over group g), exact
-    __m256i sum = _mm256_slli_epi32(_mm256_madd_epi16(D.sc16, load256(xb + BS)), 5);
-    sum = _mm256_sub_epi32(_mm256_setzero_si256(), sum);
+      // the 8 scales of this half as int16, in both lanes
+      const __m128i s8 = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 192 + 8 * h)));
+      const __m256i scw = _mm256_set_m128i(s8, s8);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const int m = 4 * h + c;
+        const __m256i L = c & 1 ? L1 : L0;
+        const __m256i lo = _mm256_and_si256(c >> 1 ? _mm256_srli_epi16(L, 4) : L, m0f);
+        const __m256i hb = c == 0 ? _mm256_slli_epi16(H, 4) : c == 1 ? _mm256_slli_epi16(H, 2)
+                         : c == 2 ? H : _mm256_srli_epi16(H, 2);
+        const __m256i w = _mm256_or_si256(lo, _mm256_and_si256(hb, m30));
+        const __m256i sc = _mm256_shuffle_epi8(scw, word_mask(2 * c, 2 * c + 1));
 #pragma GCC unroll 8
-    for (int m = 0; m < 8; ++m) {
-      const __m256i p = _mm256_maddubs_epi16(D.w[m], load256(xb + 32 * m));
-      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, D.sc[m]));
+        for (int r = 0; r < R; ++r) {
+          const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(w, load256(xb + r * ldx + 32 * m)), sc);
+          sum[r] = m == 0 ? t : _mm256_add_epi32(sum[r], t);
+          __asm__("" : "+x"(sum[r]));
+        }
+      }
     }
-    const __m256 t = _mm256_mul_ps(D.d, _mm256_broadcast_ss(reinterpret_cast<const float*>(xb + S)));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), t, acc);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+    const __m256 d = _mm256_set1_ps(h2f(p + 208));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* x = xb + r * ldx;
+      // the -32 offset: 32 * sum_g sc_g * (sum of x over group g), exact
+      const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, load256(x + BS)), 5);
+      const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + S)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r], off)), t, acc[r]);
+    }
   }
 };
 
@@ -198,15 +204,10 @@ template <class T, int R>
 __attribute__((noinline)) void run(const uint8_t* __restrict p, int64_t nsb, const uint8_t* __restrict xg,
                                    int64_t ldx, float* y, int64_t ldy) {
   __m256 acc[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nsb; ++b) {
-    typename T::Dec D;
-    T::decode(p + b * T::BYTES, D);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) T::product(D, xg + r * ldx + b * XSB, acc[r]);
-  }
-#pragma GCC unroll 4
+  for (int64_t b = 0; b < nsb; ++b) T::template super_block<R>(p + b * T::BYTES, xg + b * XSB, ldx, acc);
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]);
 }
 
@@ -216,7 +217,11 @@ void run_rows(const uint8_t* p, int64_t nsb, const uint8_t* xg, int64_t ldx, int
     case 1: run<T, 1>(p, nsb, xg, ldx, y, ldy); break;
     case 2: run<T, 2>(p, nsb, xg, ldx, y, ldy); break;
     case 3: run<T, 3>(p, nsb, xg, ldx, y, ldy); break;
-    default: run<T, 4>(p, nsb, xg, ldx, y, ldy); break;
+    case 4: run<T, 4>(p, nsb, xg, ldx, y, ldy); break;
+    case 5: run<T, 5>(p, nsb, xg, ldx, y, ldy); break;
+    case 6: run<T, 6>(p, nsb, xg, ldx, y, ldy); break;
+    case 7: run<T, 7>(p, nsb, xg, ldx, y, ldy); break;
+    default: run<T, 8>(p, nsb, xg, ldx, y, ldy); break;
   }
 }
 
@@ -247,6 +252,22 @@ void rows_impl(const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_
 }
 
 }  // namespace
+
+int64_t avx2_madd_chains(int64_t n) {
+  __m256i acc[6], x[6];
+#pragma GCC unroll 6
+  for (int i = 0; i < 6; ++i) acc[i] = _mm256_set1_epi32(i), x[i] = _mm256_set1_epi8((char)(i - 3));
+  const __m256i w = _mm256_set1_epi8(7), sc = _mm256_set1_epi16(5);
+  for (int64_t i = 0; i < n; ++i) {
+#pragma GCC unroll 6
+    for (int j = 0; j < 6; ++j) {
+      __asm__("" : "+x"(x[j]));  // every step's products are made anew (not hoisted, not shared between chains)
+      acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x[j]), sc));
+    }
+  }
+  for (int j = 1; j < 6; ++j) acc[0] = _mm256_add_epi32(acc[0], acc[j]);
+  return _mm256_extract_epi32(acc[0], 0);
+}
 
 bool qmm_avx2_int8_supports(int qtype) { return qtype == QT_Q4_K || qtype == QT_Q6_K; }
 
@@ -283,6 +304,7 @@ bool qmm_rows_avx2_int8(int qtype, const uint8_t* xg, int64_t k, int64_t K, cons
 #else  // not x86-64 GCC/clang: no AVX2 kernels
 
 namespace ultrafast {
+int64_t avx2_madd_chains(int64_t) { return 0; }
 bool qmm_avx2_int8_supports(int) { return false; }
 int64_t qmm_prep_bytes_avx2_int8(int, int64_t, bool) { return 0; }
 int64_t qmm_prep_units_avx2_int8(int, int64_t) { return 0; }

@@ -124,6 +124,10 @@ int64_t qmm_prep_units_avx2_int8(int qtype, int64_t K);
 void qmm_prep_avx2_int8(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool x8);
 bool qmm_rows_avx2_int8(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
                         int64_t ldy, int64_t n0, int64_t n1, bool x8);
+// The limit of that arithmetic, measured: n iterations of 6 independent chains of (vpmaddubsw, vpmaddwd by the scales,
+// vpaddd), each 32 multiply-adds of a weight byte and an int8 x, on the calling thread. Returns a value derived from
+// the sums.
+int64_t avx2_madd_chains(int64_t n);
 
 // ---- AVX512-VNNI integer path (qmatmul_vnni.cpp): int16 activations (per 32-block scale; x8: int8, as
 // llama.cpp), exact integer dot products with the file's quantized weights. Types Q4_0, Q4_1, Q5_0, Q8_0,
