@@ -79,7 +79,7 @@ Q4_0_R16, Q4_1_R16, Q5_0_R16, Q8_0_R16, Q4_K_R2, Q6_K_R16 = 102, 103, 106, 108, 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ["qmatmul.cpp", "kernel_variant.cpp", "decoder_layer.cpp", "scalar.cpp", "qmatmul_avx512.cpp",
             "qmatmul_avx2.cpp", "qmatmul_avx2_int8.cpp", "qmatmul_vnni.cpp", "sampling.cpp"]
-_HEADERS = ["kernel_variant.h", "qmatmul_kernels.h", "qmatmul_fp32.h", "attention_simd.h", "activation_simd.h",
+_HEADERS = ["kernel_variant.h", "qmatmul_kernels.h", "simd_bytes.h", "qmatmul_fp32.h", "attention_simd.h", "activation_simd.h",
             "exp_simd.h", "decoder_layer.h",
             "row_ops.h", "scratch.h"]
 # No -march=native: the baseline unit must run anywhere (the AVX-512 unit enables its ISA with a

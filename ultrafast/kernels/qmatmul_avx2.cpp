@@ -39,23 +39,9 @@
 namespace ultrafast {
 namespace {
 
-UF_INLINE float h2f(const uint8_t* p) {
-  uint16_t h;
-  __builtin_memcpy(&h, p, 2);
-  return _cvtsh_ss(h);  // fp16 -> fp32 is exact
-}
+#include "simd_bytes.h"
 
-UF_INLINE __m128i load64(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
-UF_INLINE __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-UF_INLINE __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Fixed-tree sum of the 8 lanes.
-UF_INLINE float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // Field n (bits 4n..4n+3) of each dword, as q * 2^(4n) in float, exactly. The top field does not fit a
 // signed int32: shifted down to q, converted, then scaled back by 2^28 (exact).

@@ -39,25 +39,12 @@
 namespace ultrafast {
 namespace {
 
+#include "simd_bytes.h"
+
 // A prepared super-block (XSB bytes, rows ldx = nsb * XSB apart): int8 q[256] at 0; at XS, 8 floats s * (sum of q
 // over sub-block j of 32); at BS, 16 int16 sums of q over each scale group of 16; at S, the float s.
 constexpr int64_t SBV = 256, XSB = 384, XS = 256, BS = 288, S = 320;
 constexpr int RMAX = 8;  // activation rows a tile (their integer sums in registers, their accumulators as they fall)
-
-UF_INLINE float h2f(const uint8_t* p) {
-  uint16_t h;
-  __builtin_memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
-UF_INLINE __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-UF_INLINE float hsum8(__m256 v) {  // fixed tree
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 void prep_row(const float* x, int64_t K, uint8_t* out) {
   const __m256 sign = _mm256_set1_ps(-0.0f);

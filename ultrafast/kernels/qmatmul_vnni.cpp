@@ -58,18 +58,13 @@
 namespace ultrafast {
 namespace {
 
-UF_INLINE float h2f(const uint8_t* p) {
-  uint16_t h;
-  __builtin_memcpy(&h, p, 2);
-  return _cvtsh_ss(h);  // exact
-}
+#include "simd_bytes.h"
+
 UF_INLINE uint32_t rd32(const uint8_t* p) {
   uint32_t h;
   __builtin_memcpy(&h, p, 4);
   return h;
 }
-UF_INLINE __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-UF_INLINE __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // Per-row, per-group activation data (layout written by prep, read by the kernels), NVEC: the weight vectors of a group.
 //   xh[v], xl[v]: the int16 x of byte position j of weight vector v, split as x = 256 * xh + xl (both signed
