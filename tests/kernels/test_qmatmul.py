@@ -565,6 +565,18 @@ def test_avx2_int8_activations_are_exact_products_of_the_rounded_x(avx2_int8, qt
 
 
 @pytest.mark.parametrize("qtype", [uk.Q4_K, uk.Q6_K], ids=lambda t: NAMES[t])
+def test_avx2_int8_non_finite_inputs_propagate(avx2_int8, qtype):
+    k_in = 512
+    raw = torch.from_numpy(random_weight(qtype, 7, k_in, seed=2))
+    x = torch.randn(3, k_in, generator=torch.Generator().manual_seed(5))
+    x[1, 100] = float("nan")
+    x[2, 300] = float("inf")
+    y = uk.qmatmul(x, raw, qtype, k_in, act_bits=8)
+    assert torch.isfinite(y[0]).all()
+    assert not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).any()
+
+
+@pytest.mark.parametrize("qtype", [uk.Q4_K, uk.Q6_K], ids=lambda t: NAMES[t])
 def test_avx2_int8_activations_batch_invariant(avx2_int8, qtype):
     k_in = K_VALUES[qtype][-1]
     raw = torch.from_numpy(random_weight(qtype, 35, k_in, seed=7))

@@ -52,13 +52,18 @@ void prep_row(const float* x, int64_t K, uint8_t* out) {
   for (int64_t b = 0; b < K / SBV; ++b) {
     const float* v = x + b * SBV;
     uint8_t* o = out + b * XSB;
-    __m256 mx = _mm256_setzero_ps();
-    for (int i = 0; i < SBV; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+    __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int i = 0; i < SBV; i += 8) {
+      const __m256 xv = _mm256_loadu_ps(v + i);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, xv));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));  // max drops NaN: noted apart
+    }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float amax = _mm_cvtss_f32(m4);
-    const float s = amax / 127.0f;
+    // a NaN or inf in the super-block makes s NaN or inf, and so the row's outputs (as on every path)
+    const float s = _mm256_movemask_ps(nan) ? __builtin_nanf("") : amax / 127.0f;
     const __m256 sv = _mm256_set1_ps(amax > 0.0f ? s : 1.0f);  // an all-zero super-block: q = 0
     for (int i = 0; i < SBV; i += 32) {  // rint(x / s) (the default rounding: to nearest even), int32 -> int8 in order
       __m256i a[4];
