@@ -481,18 +481,22 @@ def test_build_is_cached():
     assert uk.load().__file__ == str(so)
 
 
-@pytest.mark.parametrize("qtype", [uk.Q4_0, uk.Q4_1, uk.Q5_0, uk.Q8_0, uk.Q4_K, uk.Q6_K], ids=lambda t: NAMES[t])
-def test_qmatmul_non_finite_inputs_propagate(path, qtype):
+def check_non_finite_inputs_propagate(qtype, act_bits=16):
     # a NaN or inf in an activation row makes that row's outputs NaN/inf, never silently finite
     k_in = 512
     raw = torch.from_numpy(random_weight(qtype, 7, k_in, seed=2))
     x = torch.randn(3, k_in, generator=torch.Generator().manual_seed(5))
     x[1, 100] = float("nan")
     x[2, 300] = float("inf")
-    y = uk.qmatmul(x, raw, qtype, k_in)
+    y = uk.qmatmul(x, raw, qtype, k_in, act_bits=act_bits)
     assert torch.isfinite(y[0]).all()
     assert not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).any()
-    assert torch.equal(y[0], uk.qmatmul(x[:1], raw, qtype, k_in)[0])
+    assert torch.equal(y[0], uk.qmatmul(x[:1], raw, qtype, k_in, act_bits=act_bits)[0])
+
+
+@pytest.mark.parametrize("qtype", [uk.Q4_0, uk.Q4_1, uk.Q5_0, uk.Q8_0, uk.Q4_K, uk.Q6_K], ids=lambda t: NAMES[t])
+def test_qmatmul_non_finite_inputs_propagate(path, qtype):
+    check_non_finite_inputs_propagate(qtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -566,14 +570,7 @@ def test_avx2_int8_activations_are_exact_products_of_the_rounded_x(avx2_int8, qt
 
 @pytest.mark.parametrize("qtype", [uk.Q4_K, uk.Q6_K], ids=lambda t: NAMES[t])
 def test_avx2_int8_non_finite_inputs_propagate(avx2_int8, qtype):
-    k_in = 512
-    raw = torch.from_numpy(random_weight(qtype, 7, k_in, seed=2))
-    x = torch.randn(3, k_in, generator=torch.Generator().manual_seed(5))
-    x[1, 100] = float("nan")
-    x[2, 300] = float("inf")
-    y = uk.qmatmul(x, raw, qtype, k_in, act_bits=8)
-    assert torch.isfinite(y[0]).all()
-    assert not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).any()
+    check_non_finite_inputs_propagate(qtype, act_bits=8)
 
 
 @pytest.mark.parametrize("qtype", [uk.Q4_K, uk.Q6_K], ids=lambda t: NAMES[t])
