@@ -69,14 +69,6 @@ def test_int8_activations_need_the_vnni_kernels(smollm_path):
         Engine.from_path(smollm_path, max_context=64, packed=False, activation_bits=8)
 
 
-def _round_int8_per_256(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as the AVX2 int8 kernels round it: per 256 values s = max|x| / 127 (fp32), q = rint(x / s)."""
-    xb = x.reshape(-1, 256)
-    s = xb.abs().amax(-1, keepdim=True) / 127.0
-    q = torch.where(s > 0, torch.round(xb / torch.where(s > 0, s, torch.ones_like(s))), torch.zeros_like(xb))
-    return (q * s).reshape(x.shape)
-
-
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_int8_activations_on_the_avx2_kernels(tmp_path, smollm_path, qtype):
     """On the AVX2 path (CPUs without AVX-512, or forced), 8-bit activations run Q4_K and Q6_K on the AVX2 integer
@@ -95,10 +87,12 @@ def test_int8_activations_on_the_avx2_kernels(tmp_path, smollm_path, qtype):
         # the fp32 reference path with every linear's input rounded as the kernels round it (int8 per 256 values): the
         # same logits to fp32 summation error (measured 8e-5 of logits up to ~150; unrounded, these random weights
         # amplify the rounding to 28 on Q6_K)
+        from ultrafast.benchmarks.activation_precision import rounding_hook
+
         ref = Engine.from_path(path, max_context=128, device="cpu", packed=False)
         for m in ref.model.modules():
             if isinstance(m, torch.nn.Linear):
-                m.register_forward_pre_hook(lambda mod, args: (_round_int8_per_256(args[0]),))
+                m.register_forward_pre_hook(rounding_hook(8, block=256))
         a, b = engine.forward(ids, 0, all_logits=True), ref.forward(ids, 0, all_logits=True)
         assert (a - b).abs().max() <= 1e-5 * b.abs().max() * b.shape[-1] ** 0.5, (a - b).abs().max()
         assert not torch.equal(a, Engine.from_path(path, max_context=128, device="cpu").forward(ids, 0, all_logits=True))

@@ -29,12 +29,14 @@ PROMPTS = [
 ]
 
 
-def rounding_hook(bits: int):
+def rounding_hook(bits: int, block: int = 32):
+    """A forward pre-hook rounding a linear's input per `block` values to signed `bits`-bit integers, as the kernels
+    do (per 32 on the VNNI kernels; the AVX2 int8 ones round per 256)."""
     top = float(2 ** (bits - 1) - 1)
 
     def hook(_module, inputs):
         x = inputs[0]
-        xb = x.reshape(-1, 32)
+        xb = x.reshape(-1, block)
         s = xb.abs().amax(-1, keepdim=True) / top
         safe = torch.where(s > 0, s, torch.ones_like(s))
         return ((torch.round(xb / safe) * s).reshape(x.shape),)

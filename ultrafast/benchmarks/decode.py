@@ -180,9 +180,9 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
     bar.update(1)
     bar.note("the multiply peak")
     peak = kernels.multiply_peak(threads) if "vnni" in info["kernels"] else None
-    # the AVX2 kernels' limit: fp32 FMAs, or (avx2-int8, 8-bit activations) vpmaddubsw + vpmaddwd
-    fma = kernels.fma_peak(threads) if "avx2-fp32" in info["kernels"] else \
-        kernels.int8_madd_peak(threads) if "avx2-int8" in info["kernels"] else None
+    # the AVX2 kernels' limits: fp32 FMAs, or (avx2-int8, 8-bit activations) vpmaddubsw + vpmaddwd
+    fma = kernels.fma_peak(threads) if "avx2-fp32" in info["kernels"] else None
+    madd = kernels.int8_madd_peak(threads) if "avx2-int8" in info["kernels"] else None
     bar.update(1)
     ids = prompt_tokens(engine.tokenizer, prompt_len)
     bar.note(f"ours: prefill {prompt_len}, decode {gen}, r(k) for k = 1..{max_k}")
@@ -196,9 +196,9 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
     bpt = info["weight_bytes_per_token"]
     roofline = bwn * 1e9 / bpt
     multiply = None
-    if peak is not None or fma is not None:
-        # the VNNI kernels' int16/int8 multiply-adds, or the AVX2 kernels' fp32 ones
-        rate = peak.macs_per_s(activation_bits) if peak is not None else fma
+    if peak is not None or fma is not None or madd is not None:
+        # the VNNI kernels' int16/int8 multiply-adds, or the AVX2 kernels' fp32 or int8 ones
+        rate = peak.macs_per_s(activation_bits) if peak is not None else fma or madd
         arith = peak.arithmetic_macs_per_s(activation_bits, paired_share) if peak is not None else None
         t_mem = bpt / (bwn * 1e9)
 
@@ -206,9 +206,8 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
             return max(t_mem, k * macs / r)
         multiply = {
             "vpdpbusd_per_s": peak.vpdpbusd_per_s if peak is not None else None,
-            "fma_per_s": fma / 8 if fma is not None and "avx2-fp32" in info["kernels"] else None,
-            "activation_bits": activation_bits if peak is not None or "int8" in info["kernels"] else 32,
-            "macs_per_s": rate,
+            "fma_per_s": fma / 8 if fma is not None else None,
+            "activation_bits": 32 if fma is not None else activation_bits, "macs_per_s": rate,
             "macs_per_token": macs, "macs_per_token_prefill": macs_prefill,
             "physical_r_k": {k: physical(k) / physical(1) for k in ours.r_k},
             "arithmetic_macs_per_s": arith,

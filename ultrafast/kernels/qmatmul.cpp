@@ -570,8 +570,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni_supported", []() { return ultrafast::avx512_usable() && ultrafast::vnni_usable(); },
         "whether this CPU can run the AVX512-VNNI integer path");
   m.def("avx2_supported", &ultrafast::avx2_usable, "whether this CPU can run the AVX2 path");
-  m.def("int8_activations", [](int64_t qtype) { return ultrafast::linear_ops((int)qtype, true) != nullptr; },
-        "whether the path in use multiplies weights of this type with int8 activations", py::arg("qtype"));
   m.def("linear_path", [](int64_t qtype, int64_t act_bits) {
           const ultrafast::LinearOps* ops = ultrafast::linear_ops((int)qtype, act_bits == 8);
           return std::string(ops != nullptr ? ops->name : "");
