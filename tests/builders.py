@@ -52,8 +52,10 @@ def random_raw(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> np.n
 TINY = dict(n_layers=2, dim=256, ffn_dim=512, n_heads=4, n_kv_heads=2, vocab=len(byte_vocab()), ctx=256)
 
 
-def write_tiny_gguf(path: Path, *, arch="llama", qtype=T.Q8_0, tied=True, seed=0, **meta_overrides) -> dict:
-    """A tiny Llama/Qwen2 GGUF with every 2-D weight in `qtype`; returns {gguf name: (qtype, raw)}."""
+def write_tiny_gguf(path: Path, *, arch="llama", qtype=T.Q8_0, tied=True, seed=0, embd_qtype=None,
+                    **meta_overrides) -> dict:
+    """A tiny Llama/Qwen2 GGUF with every 2-D weight in `qtype` (the embedding in `embd_qtype` where given); returns
+    {gguf name: (qtype, raw)}."""
     c, rng = TINY, np.random.default_rng(seed)
     hd = c["dim"] // c["n_heads"]
     w = GGUFWriter(str(path), arch)
@@ -90,8 +92,7 @@ def write_tiny_gguf(path: Path, *, arch="llama", qtype=T.Q8_0, tied=True, seed=0
             w.add_tensor(name, raw, raw_dtype=qt)
 
     d, f, kv = c["dim"], c["ffn_dim"], c["n_kv_heads"] * hd
-    add("token_embd.weight", qtype, c["vocab"] - len(SPECIALS) + len(SPECIALS), d) if False else None
-    add("token_embd.weight", qtype if qtype not in (T.Q4_K, T.Q6_K) else T.Q8_0, c["vocab"], d)
+    add("token_embd.weight", embd_qtype or (qtype if qtype not in (T.Q4_K, T.Q6_K) else T.Q8_0), c["vocab"], d)
     add("output_norm.weight", T.F32, 1, d)
     if not tied:
         add("output.weight", qtype if qtype not in (T.Q4_K, T.Q6_K) else T.Q6_K, c["vocab"], d)

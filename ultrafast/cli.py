@@ -28,9 +28,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 ACT_BITS_HELP = ("precision of the activations inside the quantized linears: 16 (default) or 8 (int8 per "
-                 "block of 32 on the AVX512-VNNI kernels, per 256 on AVX2 CPUs (Q4_K and Q6_K files), as llama.cpp "
-                 "rounds them to int8; about twice the multiply rate in prefill and verification, outputs move "
-                 "slightly)")
+                 "block of 32 on the AVX512-VNNI kernels; on AVX2 CPUs per 256 for Q4_K and Q6_K, per 32 for the "
+                 "other types; as llama.cpp rounds them to int8; about twice the multiply rate in prefill and "
+                 "verification, outputs move slightly)")
 EVAL_ACT_BITS_HELP = ("the activations of the server started for the run: 16 (default) or 8 (see serve); a "
                       "server at --url runs with its own")
 

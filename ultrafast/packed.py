@@ -233,7 +233,7 @@ def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16
             if act_bits == 8 and not kernels.linear_path(qt.qtype, 8):
                 raise ValueError(f"8-bit activations: the kernels of this CPU ({kernels.path_in_use()}) do not multiply "
                                  f"{name}'s weights (GGML type {qt.qtype}) with int8 activations; they need the "
-                                 "AVX512-VNNI kernels (every quantized type) or AVX2 (Q4_K and Q6_K)")
+                                 "AVX512-VNNI or the AVX2 integer kernels")
             lin = PackedLinear(qt.raw, qt.qtype, mod.in_features, mod.out_features, bias, act_bits)
             lins.append(lin)
             swap_module(model, name, lin)

@@ -59,6 +59,33 @@ def test_the_ultrafast_tier_with_the_head_is_the_standard_tier(tiny_head, smollm
     assert kept > 0 and rejected > 0
 
 
+@pytest.mark.parametrize("path", ["auto", "avx2"])
+def test_the_head_drafts_with_8_bit_activations(tiny_head, smollm_path, path):
+    """With 8-bit activations the head's packed linears (Q8_0) and its rows of the target's LM head run on the same
+    integer kernels as the target (VNNI, or AVX2's where VNNI is absent or the AVX2 path is asked for): the tier
+    stays the standard tier."""
+    from ultrafast import kernels
+    from ultrafast.engine import Engine
+
+    if path == "avx2" and not kernels.load().avx2_supported():
+        pytest.skip("CPU without AVX2")
+    kernels.set_kernels_path(path)
+    try:
+        if not kernels.linear_path(kernels.Q8_0, 8):
+            pytest.skip("no integer kernels for 8-bit activations on this CPU")
+        e = Engine.from_path(smollm_path, max_context=1024, activation_bits=8)
+        e.attach_draft_head(tiny_head[1])
+        e.fixed_draft_k = 3
+        ids = e.chat_prompt([{"role": "user", "content": "What does the Python module `json` do?"}])
+        params = SamplingParams(max_tokens=40)
+        std = e.generate(ids, params)
+        fast = e.generate(ids, params, tier="ultrafast", drafters=["head"])
+        assert fast.token_ids == std.token_ids
+        assert fast.spec["drafters"]["head"]["drafted"] > 0
+    finally:
+        kernels.set_kernels_path("auto")
+
+
 def test_a_request_starts_from_the_heads_own_held_out_figure(tiny_head, smollm_engine, smollm_path):
     """The policy's first estimate of what a tree gets accepted is the head's report (chain tau less one), not
     a fixed optimism: a weak head is left to its probes from the first token."""

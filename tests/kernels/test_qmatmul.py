@@ -538,7 +538,10 @@ def test_int8_activations_batch_invariant(vnni, qtype):
         assert torch.equal(uk.qmatmul(x[:16], raw, qtype, k_in, act_bits=8), singles[:16])
 
 
-# int8 activations on the AVX2 integer kernels (avx2-int8: Q4_K and Q6_K, x rounded per super-block of 256)
+# int8 activations on the AVX2 integer kernels (avx2-int8: every quantized type, x rounded per super-block of 256 for
+# Q4_K and Q6_K, per block of 32 for the others)
+AVX2_INT8_BLOCK = {uk.Q4_0: 32, uk.Q4_1: 32, uk.Q5_0: 32, uk.Q8_0: 32, uk.Q4_K: 256, uk.Q6_K: 256}
+
 
 @pytest.fixture
 def avx2_int8():
@@ -550,36 +553,41 @@ def avx2_int8():
     uk.set_kernels_path("auto")
 
 
-@pytest.mark.parametrize("qtype", [uk.Q4_K, uk.Q6_K], ids=lambda t: NAMES[t])
+@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES), ids=lambda t: NAMES[t])
 def test_avx2_int8_activations_are_exact_products_of_the_rounded_x(avx2_int8, qtype):
-    """On the AVX2 path act_bits=8 rounds x to int8 per super-block of 256 (llama.cpp's Q8_K) and multiplies it
-    with the file's integers exactly: the output equals rounded-x @ dequant(W).T to fp32 summation error."""
+    """On the AVX2 path act_bits=8 rounds x to int8 (per super-block of 256 for the K-quants, llama.cpp's Q8_K; per
+    block of 32 for the others, its Q8_0) and multiplies it with the file's integers exactly: the output equals
+    rounded-x @ dequant(W).T to fp32 summation error."""
     assert uk.linear_path(qtype, 8) == "avx2-int8" and uk.linear_path(qtype, 16) == "avx2-fp32"
+    block = AVX2_INT8_BLOCK[qtype]
     for i, k in enumerate(K_VALUES[qtype]):
         raw = random_weight(qtype, 29, k, seed=20 + i)
+        if qtype == uk.Q8_0:
+            raw.reshape(29, -1, 34)[3, 0, 2:] = 0x80  # the byte -128 (|w| = 128, the largest vpsignb leaves)
         w = dequant(raw, qtype, k).double()
         x = torch.randn(6, k, generator=torch.Generator().manual_seed(i))
-        x[1, :256] = 0.0  # an all-zero super-block
+        x[1, :block] = 0.0  # an all-zero block
+        x[2, -block:] *= 1e-3  # a block far smaller than the others
         y8 = uk.qmatmul(x, torch.from_numpy(raw), qtype, k, act_bits=8)
-        ref = _round_int8(x, 256) @ w.T
+        ref = _round_int8(x, block) @ w.T
         scale = x.double().abs() @ w.abs().T
         assert ((y8.double() - ref).abs() <= 2e-6 * scale + 1e-30).all(), f"K={k}"
         y16 = uk.qmatmul(x, torch.from_numpy(raw), qtype, k)
         assert (y8 - y16).abs().max() > 10 * (y8.double() - ref).abs().max()
 
 
-@pytest.mark.parametrize("qtype", [uk.Q4_K, uk.Q6_K], ids=lambda t: NAMES[t])
+@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES), ids=lambda t: NAMES[t])
 def test_avx2_int8_non_finite_inputs_propagate(avx2_int8, qtype):
     check_non_finite_inputs_propagate(qtype, act_bits=8)
 
 
-@pytest.mark.parametrize("qtype", [uk.Q4_K, uk.Q6_K], ids=lambda t: NAMES[t])
+@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES), ids=lambda t: NAMES[t])
 def test_avx2_int8_activations_batch_invariant(avx2_int8, qtype):
     k_in = K_VALUES[qtype][-1]
     raw = torch.from_numpy(random_weight(qtype, 35, k_in, seed=7))
     x = torch.randn(37, k_in, generator=torch.Generator().manual_seed(1))
     singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, qtype, k_in, act_bits=8) for i in range(37)])
-    for k in (2, 3, 5, 8, 9, 16, 37):  # chunks of up to 4 rows, whole rows (k <= 8) and the weight-tiled schedule
+    for k in (2, 3, 5, 8, 9, 16, 37):  # chunks of up to 8 rows, whole rows (k <= 16) and the weight-tiled schedule
         assert torch.equal(uk.qmatmul(x[:k], raw, qtype, k_in, act_bits=8), singles[:k]), f"k={k}"
     with num_threads(1):
         assert torch.equal(uk.qmatmul(x[:16], raw, qtype, k_in, act_bits=8), singles[:16])
@@ -591,7 +599,7 @@ def test_act_bits_errors():
     with pytest.raises(ValueError, match="act_bits must be 16 or 8"):
         uk.qmatmul(x, raw, uk.Q8_0, 64, act_bits=4)
     if uk.load().avx512_supported() or uk.load().avx2_supported():
-        uk.set_kernels_path("fp32")  # AVX-512, else AVX2: int8 activations there only for Q4_K and Q6_K (AVX2)
+        uk.set_kernels_path("scalar")  # no integer kernels there
         try:
             with pytest.raises(ValueError, match="int8 activations need the AVX512-VNNI"):
                 uk.qmatmul(x, raw, uk.Q8_0, 64, act_bits=8)

@@ -75,7 +75,7 @@ const LinearOps* linear_ops(int qt, bool x8) {
   if (!type_info(qt, &ti)) return nullptr;
   if (is_vnni_layout(qt)) return vnni_in_use() ? &kVnni : nullptr;  // layouts only the VNNI kernels read
   if (qmm_vnni_supports(qt) && vnni_in_use()) return &kVnni;
-  if (x8 && qmm_vnni_supports(qt)) {  // int8 activations: the VNNI kernels, else the AVX2 integer ones (Q4_K, Q6_K)
+  if (x8 && qmm_vnni_supports(qt)) {  // int8 activations: the VNNI kernels, else the AVX2 integer ones
     const bool avx2 = fp32_ops() != nullptr && avx2_cpu();
     return avx2 && qmm_avx2_int8_supports(qt) ? &kAvx2Int8 : nullptr;
   }

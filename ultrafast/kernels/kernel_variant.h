@@ -4,7 +4,7 @@
 //   vnni-int16   AVX512-VNNI integer kernels (qmatmul_vnni.cpp) for the quantized types, int16 or int8 x;
 //   avx512-fp32  AVX-512 dequantize-in-register + FMA (qmatmul_avx512.cpp), every type;
 //   avx2-fp32    the same scheme on AVX2 + FMA (qmatmul_avx2.cpp), every type, for CPUs without AVX-512;
-//   avx2-int8    AVX2 integer kernels for int8 x (qmatmul_avx2_int8.cpp), Q4_K and Q6_K, where VNNI is not in use;
+//   avx2-int8    AVX2 integer kernels for int8 x (qmatmul_avx2_int8.cpp), the quantized types, where VNNI is not in use;
 //   scalar       portable loops (scalar.cpp), every type, any CPU.
 // A new variant (another ISA, an accelerator) is one more LinearOps table and one more case where the ops
 // are chosen. Every variant keeps the batch-invariance contract: y[r][n] is one fixed sequence of

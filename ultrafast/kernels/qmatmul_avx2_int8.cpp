@@ -1,9 +1,11 @@
 // AVX2 integer kernels for 8-bit activations: the "avx2-int8" linear ops, for CPUs without AVX-512 (Zen 1-3, most
 // Intel client parts), where the fp32 kernels (qmatmul_avx2.cpp) convert every weight to float and multiply in fp32.
-// Types: Q4_K and Q6_K in the file's layout (the Qwen2.5-Coder files' linears).
+// Types: every quantized type in the file's layout: Q4_K and Q6_K (the Qwen2.5-Coder files' linears), and the
+// 32-value block types Q4_0, Q4_1, Q5_0, Q8_0 (SmolLM2's, the 0.5B's, a draft head's Q8_0 linears).
 //
-// Numerics (llama.cpp's for these types on AVX2: its Q8_K activations): each activation row is quantized once per
-// call, per super-block of 256 values, to int8: s = max|x| / 127, q_i = rint(x_i / s) (q = 0 where max|x| = 0). The
+// Numerics of Q4_K and Q6_K (llama.cpp's for these types on AVX2: its Q8_K activations): each activation row is
+// quantized once per call, per super-block of 256 values, to int8: s = max|x| / 127, q_i = rint(x_i / s) (q = 0
+// where max|x| = 0). The
 // weights stay the file's small unsigned integers (Q4_K 0..15, Q6_K 0..63), multiplied with q by vpmaddubsw
 // (unsigned byte x signed byte, adjacent pairs summed into int16: at most 2 * 63 * 127, never saturating), then by
 // the sub-block's integer scale with vpmaddwd (int16 pairs into int32): the super-block's sum of sc_j * q_w . q_x is
@@ -13,11 +15,18 @@
 // with acc an 8-lane fp32 accumulator per output. The only approximation is the int8 rounding of x (and the
 // convert of a Q6_K sum past 2^24).
 //
+// Numerics of the 32-value block types (llama.cpp's Q8_0 / Q8_1 activations): x is rounded the same way per block of
+// 32 (its own s_b). Q4_0, Q5_0 and Q8_0 weights are made signed integers (nibble - 8, 5-bit value - 16, the byte) and
+// meet x through vpsignb (|w| unsigned, x with w's sign: |w| <= 128, pairs at most 2 * 128 * 127, never saturating);
+// Q4_1's nibbles meet x as they are. Per block the 8-lane int32 sum (exact) is converted and applied as
+//     acc = fma(float(isum), d_w * s_b, acc)
+// and Q4_1's mins after every group of 8 blocks, as acc = fma(m, s * sum of q, acc) with block b's on lane b % 8.
+//
 // Batch invariance, as in every variant (kernel_variant.h): an output y[r][n] is one fixed sequence of operations
-// that depends only on (type, K, weight row n, activation row r): per super-block the integer sum (exact), one
-// convert, one multiply (d * s), one fma, (Q4_K) one fnmadd; super-blocks in order; a fixed-tree sum of the 8 lanes.
-// The tile (1 weight row x R <= RMAX activation rows), the schedule and the thread never change it. Results are
-// not the VNNI path's bits (that path scales x per block of 32).
+// that depends only on (type, K, weight row n, activation row r): per super-block (block) the integer sum (exact), one
+// convert, one multiply (d * s), one fma, (Q4_K) one fnmadd, (Q4_1, after each group of 8) one fma; in order; a
+// fixed-tree sum of the 8 lanes. The tile (1 weight row x R <= RMAX activation rows), the schedule and the thread never change it. Results are
+// not the VNNI path's bits (that path scales x per block of 32 for every type, and differs in the order).
 //
 // Compiled for the baseline ISA with a target pragma, entered only after avx2_usable(); no standard-library or
 // torch header (see qmatmul_kernels.h).
@@ -81,6 +90,43 @@ void prep_row(const float* x, int64_t K, uint8_t* out) {
     }
     for (int j = 0; j < 8; ++j) xs[j] = s * (float)(bs[2 * j] + bs[2 * j + 1]);
     __builtin_memcpy(o + S, &s, 4);
+  }
+}
+
+// A prepared group of 8 blocks of 32 (GB bytes, rows ldx = ceil(nb / 8) * GB apart; a row's last group may hold
+// fewer): int8 q[256] at 0 (block b's at 32 (b % 8)); at GS, 8 floats s_b; at GSS, 8 floats s_b * (sum of q over b).
+constexpr int64_t BV = 32, GB = 320, GS = 256, GSS = 288;
+
+void prep_blocks(const float* x, int64_t K, uint8_t* out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const int64_t nb = K / BV;
+  if (nb % 8 != 0) __builtin_memset(out + (nb >> 3) * GB + GS, 0, GB - GS);  // the last group's unused floats: 0
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* v = x + b * BV;
+    uint8_t* o = out + (b >> 3) * GB;
+    __m256 xv[4], mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      xv[j] = _mm256_loadu_ps(v + 8 * j);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, xv[j]));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv[j], xv[j], _CMP_UNORD_Q));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float s = _mm256_movemask_ps(nan) ? __builtin_nanf("") : amax / 127.0f;
+    const __m256 sv = _mm256_set1_ps(amax > 0.0f ? s : 1.0f);
+    __m256i a[4];
+    for (int j = 0; j < 4; ++j) a[j] = _mm256_cvtps_epi32(_mm256_div_ps(xv[j], sv));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
+    uint8_t* q = o + 32 * (b & 7);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p, order));
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) sum += reinterpret_cast<const int8_t*>(q)[i];
+    const float ss = s * (float)sum;
+    __builtin_memcpy(o + GS + 4 * (b & 7), &s, 4);
+    __builtin_memcpy(o + GSS + 4 * (b & 7), &ss, 4);
   }
 }
 
@@ -191,40 +237,132 @@ struct Q6K {
   }
 };
 
-// One weight row (nsb super-blocks at p) against R activation rows (xg, ldx apart): y[r * ldy].
-template <class T, int R>
-__attribute__((noinline)) void run(const uint8_t* __restrict p, int64_t nsb, const uint8_t* __restrict xg,
-                                   int64_t ldx, float* y, int64_t ldy) {
-  __m256 acc[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nsb; ++b) T::template super_block<R>(p + b * T::BYTES, xg + b * XSB, ldx, acc);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]);
+// The 32-value block types: T::weights(p) makes a block's 32 weights as bytes, in value order: signed integers
+// (SIGNED) or Q4_1's unsigned nibbles; T::BYTES a block's size; the fp16 d at p.
+UF_INLINE __m256i nibbles(const uint8_t* q) {  // 16 bytes: values 0..15 in the low nibbles, 16..31 in the high ones
+  const __m128i v = load128(q);
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
 }
 
+struct Q4_0B {  // d, 16 bytes of nibbles; w = nibble - 8
+  static constexpr int64_t BYTES = 18;
+  static constexpr bool SIGNED = true, MINS = false;
+  static UF_INLINE __m256i weights(const uint8_t* p) { return _mm256_sub_epi8(nibbles(p + 2), _mm256_set1_epi8(8)); }
+};
+
+struct Q4_1B {  // d, m, 16 bytes of nibbles; w = d * nibble + m
+  static constexpr int64_t BYTES = 20;
+  static constexpr bool SIGNED = false, MINS = true;
+  static UF_INLINE __m256i weights(const uint8_t* p) { return nibbles(p + 4); }
+};
+
+struct Q5_0B {  // d, 32 high bits (bit i: value i's), 16 bytes of nibbles; w = (nibble | high << 4) - 16
+  static constexpr int64_t BYTES = 22;
+  static constexpr bool SIGNED = true, MINS = false;
+  static UF_INLINE __m256i weights(const uint8_t* p) {
+    uint32_t qh;
+    __builtin_memcpy(&qh, p + 2, 4);
+    // byte i of qh's copy: byte i / 8 of qh (vpshufb stays in each 128-bit lane; every lane holds qh), then bit i % 8
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)qh),
+        _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i high = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    // high set: the nibble (0..15); clear: nibble - 16, whose byte is the nibble with 0xF0 set
+    return _mm256_or_si256(nibbles(p + 6), _mm256_andnot_si256(high, _mm256_set1_epi8((char)0xF0)));
+  }
+};
+
+struct Q8_0B {  // d, 32 int8
+  static constexpr int64_t BYTES = 34;
+  static constexpr bool SIGNED = true, MINS = false;
+  static UF_INLINE __m256i weights(const uint8_t* p) { return load256(p + 2); }
+};
+
+// Q4_1's mins of the 8 blocks of group g (fewer in a row's last group): m_b as fp32 on lane b % 8, 0 past the row.
+UF_INLINE __m256 q4_1_group_mins(const uint8_t* p, int64_t g, int64_t nb) {
+  const int64_t n = nb - 8 * g < 8 ? nb - 8 * g : 8;
+  uint16_t m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t j = 0; j < n; ++j) __builtin_memcpy(&m[j], p + (8 * g + j) * Q4_1B::BYTES + 2, 2);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m)));
+}
+
+// Every linear's tile: one weight row against R activation rows, with the R accumulators in registers. T::row<R>.
 template <class T>
-void run_rows(const uint8_t* p, int64_t nsb, const uint8_t* xg, int64_t ldx, int64_t rr, float* y, int64_t ldy) {
+struct SuperBlocks {  // Q4_K, Q6_K: units of 256 values
+  static constexpr int64_t VALUES = SBV;
+  template <int R>
+  __attribute__((noinline)) static void row(const uint8_t* __restrict p, int64_t nsb, const uint8_t* __restrict xg,
+                                            int64_t ldx, float* y, int64_t ldy) {
+    __m256 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) T::template super_block<R>(p + b * T::BYTES, xg + b * XSB, ldx, acc);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]);
+  }
+};
+
+template <class T>
+struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
+  static constexpr int64_t VALUES = BV;
+  template <int R>
+  __attribute__((noinline)) static void row(const uint8_t* __restrict p, int64_t nb, const uint8_t* __restrict xg,
+                                            int64_t ldx, float* y, int64_t ldy) {
+    __m256 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = p + b * T::BYTES;
+      const __m256i w = T::weights(blk);
+      const __m256i uw = T::SIGNED ? _mm256_abs_epi8(w) : w;
+      const __m256 d = _mm256_set1_ps(h2f(blk));
+      const uint8_t* xq = xg + (b >> 3) * GB + 32 * (b & 7);
+      const float* xs = reinterpret_cast<const float*>(xg + (b >> 3) * GB + GS + 4 * (b & 7));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m256i xv = load256(xq + r * ldx);
+        if (T::SIGNED) xv = _mm256_sign_epi8(xv, w);
+        const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xv), ones);
+        const __m256 ds = _mm256_mul_ps(d, _mm256_broadcast_ss(xs + r * (ldx / 4)));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), ds, acc[r]);
+        __asm__("" : "+x"(acc[r]));
+      }
+      if (T::MINS && ((b & 7) == 7 || b == nb - 1)) {  // after a group: its 8 mins, m_b * (s_b * sum of q), a lane each
+        const __m256 m = q4_1_group_mins(p, b >> 3, nb);
+        const float* xm = reinterpret_cast<const float*>(xg + (b >> 3) * GB + GSS);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xm + r * (ldx / 4)), acc[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]);
+  }
+};
+
+template <class U>
+void run_rows(const uint8_t* p, int64_t nu, const uint8_t* xg, int64_t ldx, int64_t rr, float* y, int64_t ldy) {
   switch (rr) {
-    case 1: run<T, 1>(p, nsb, xg, ldx, y, ldy); break;
-    case 2: run<T, 2>(p, nsb, xg, ldx, y, ldy); break;
-    case 3: run<T, 3>(p, nsb, xg, ldx, y, ldy); break;
-    case 4: run<T, 4>(p, nsb, xg, ldx, y, ldy); break;
-    case 5: run<T, 5>(p, nsb, xg, ldx, y, ldy); break;
-    case 6: run<T, 6>(p, nsb, xg, ldx, y, ldy); break;
-    case 7: run<T, 7>(p, nsb, xg, ldx, y, ldy); break;
-    default: run<T, 8>(p, nsb, xg, ldx, y, ldy); break;
+    case 1: U::template row<1>(p, nu, xg, ldx, y, ldy); break;
+    case 2: U::template row<2>(p, nu, xg, ldx, y, ldy); break;
+    case 3: U::template row<3>(p, nu, xg, ldx, y, ldy); break;
+    case 4: U::template row<4>(p, nu, xg, ldx, y, ldy); break;
+    case 5: U::template row<5>(p, nu, xg, ldx, y, ldy); break;
+    case 6: U::template row<6>(p, nu, xg, ldx, y, ldy); break;
+    case 7: U::template row<7>(p, nu, xg, ldx, y, ldy); break;
+    default: U::template row<8>(p, nu, xg, ldx, y, ldy); break;
   }
 }
 
-// Weight rows [n0, n1) against the k prepared rows, in chunks of RMAX activation rows as even as they can be. Few rows
-// (decode, verification): each weight row is read once from memory and then met by every chunk (it stays in L1).
-// More (prefill): tiles of weight rows of ~128 KB, read from memory once and kept in L2, each swept by every chunk.
-// Both schedules give every output the same operations.
-template <class T>
-void rows_impl(const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y, int64_t ldy,
-               int64_t n0, int64_t n1) {
-  const int64_t nsb = K / SBV, ldx = nsb * XSB;
+// Weight rows [n0, n1) against the k prepared rows (ldx bytes apart), in chunks of RMAX activation rows as even as
+// they can be. Few rows (decode, verification): each weight row is read once from memory and then met by every chunk
+// (it stays in L1). More (prefill): tiles of weight rows of ~128 KB, read from memory once and kept in L2, each swept
+// by every chunk. Both schedules give every output the same operations.
+template <class U>
+void rows_impl(const uint8_t* xg, int64_t k, int64_t K, int64_t ldx, const uint8_t* w, int64_t rb, float* y,
+               int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nu = K / U::VALUES;
   const int64_t nch = (k + RMAX - 1) / RMAX, per = (k + nch - 1) / nch;
   int64_t tile = (128 * 1024) / (rb > 0 ? rb : 1);
   if (tile < 1) tile = 1;
@@ -234,14 +372,16 @@ void rows_impl(const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_
     if (k <= 2 * RMAX) {
       for (int64_t n = nt; n < ne; ++n)
         for (int64_t r0 = 0; r0 < k; r0 += per)
-          run_rows<T>(w + n * rb, nsb, xg + r0 * ldx, ldx, k - r0 < per ? k - r0 : per, y + r0 * ldy + n, ldy);
+          run_rows<U>(w + n * rb, nu, xg + r0 * ldx, ldx, k - r0 < per ? k - r0 : per, y + r0 * ldy + n, ldy);
     } else {
       for (int64_t r0 = 0; r0 < k; r0 += per)
         for (int64_t n = nt; n < ne; ++n)
-          run_rows<T>(w + n * rb, nsb, xg + r0 * ldx, ldx, k - r0 < per ? k - r0 : per, y + r0 * ldy + n, ldy);
+          run_rows<U>(w + n * rb, nu, xg + r0 * ldx, ldx, k - r0 < per ? k - r0 : per, y + r0 * ldy + n, ldy);
     }
   }
 }
+
+bool super_block_type(int qtype) { return qtype == QT_Q4_K || qtype == QT_Q6_K; }
 
 }  // namespace
 
@@ -261,28 +401,37 @@ int64_t avx2_madd_chains(int64_t n) {
   return _mm256_extract_epi32(acc[0], 0);
 }
 
-bool qmm_avx2_int8_supports(int qtype) { return qtype == QT_Q4_K || qtype == QT_Q6_K; }
+bool qmm_avx2_int8_supports(int qtype) {
+  return super_block_type(qtype) || qtype == QT_Q4_0 || qtype == QT_Q4_1 || qtype == QT_Q5_0 || qtype == QT_Q8_0;
+}
 
-int64_t qmm_prep_bytes_avx2_int8(int, int64_t K, bool) { return (K + SBV - 1) / SBV * XSB; }
+int64_t qmm_prep_bytes_avx2_int8(int qtype, int64_t K, bool) {
+  return super_block_type(qtype) ? (K + SBV - 1) / SBV * XSB : (K + 8 * BV - 1) / (8 * BV) * GB;
+}
 
 int64_t qmm_prep_units_avx2_int8(int, int64_t) { return 1; }
 
-void qmm_prep_avx2_int8(int, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool) {
-  if (u0 < u1) prep_row(x, K, xg);
+void qmm_prep_avx2_int8(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool) {
+  if (u0 >= u1) return;
+  if (super_block_type(qtype))
+    prep_row(x, K, xg);
+  else
+    prep_blocks(x, K, xg);
 }
 
 bool qmm_rows_avx2_int8(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
                         int64_t ldy, int64_t n0, int64_t n1, bool) {
-  if (K % SBV != 0) return false;
-  if (qtype == QT_Q4_K) {
-    rows_impl<Q4K>(xg, k, K, w, rb, y, ldy, n0, n1);
-    return true;
+  const int64_t ldx = qmm_prep_bytes_avx2_int8(qtype, K, true);
+  if (K % (super_block_type(qtype) ? SBV : BV) != 0) return false;
+  switch (qtype) {
+    case QT_Q4_K: rows_impl<SuperBlocks<Q4K>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+    case QT_Q6_K: rows_impl<SuperBlocks<Q6K>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+    case QT_Q4_0: rows_impl<Blocks<Q4_0B>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+    case QT_Q4_1: rows_impl<Blocks<Q4_1B>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+    case QT_Q5_0: rows_impl<Blocks<Q5_0B>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+    case QT_Q8_0: rows_impl<Blocks<Q8_0B>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+    default: return false;
   }
-  if (qtype == QT_Q6_K) {
-    rows_impl<Q6K>(xg, k, K, w, rb, y, ldy, n0, n1);
-    return true;
-  }
-  return false;
 }
 
 }  // namespace ultrafast

@@ -115,8 +115,9 @@ void attn_group_avx2(const float* q, int G, const float* kc, const float* vc, in
 // silu_mul_avx512's contract, 8 lanes at a time
 void silu_mul_avx2(float* g, const float* u, int64_t n);
 
-// ---- AVX2 integer path for int8 activations (qmatmul_avx2_int8.cpp): Q4_K and Q6_K in the file's layout, x
-// quantized per super-block of 256 to int8 (llama.cpp's Q8_K), vpmaddubsw/vpmaddwd integer sums. The same contract
+// ---- AVX2 integer path for int8 activations (qmatmul_avx2_int8.cpp): the quantized types in the file's layout, x
+// quantized to int8 per super-block of 256 for Q4_K and Q6_K (llama.cpp's Q8_K), per block of 32 for Q4_0, Q4_1,
+// Q5_0 and Q8_0 (its Q8_0 / Q8_1), vpmaddubsw/vpmaddwd integer sums. The same contract
 // as qmm_rows_avx512 (not the same bits); the x8 argument is ignored (always int8).
 bool qmm_avx2_int8_supports(int qtype);
 int64_t qmm_prep_bytes_avx2_int8(int qtype, int64_t K, bool x8);

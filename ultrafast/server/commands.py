@@ -37,7 +37,7 @@ def add_commands(sub) -> None:
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     s.add_argument("--activation-bits", type=int, choices=[16, 8], default=16,
                    help="activations inside the quantized linears: 16 (default) or 8 (int8 per block of 32 on the VNNI "
-                        "kernels, per 256 on AVX2 (Q4_K and Q6_K files), as llama.cpp rounds them to int8: faster "
+                        "kernels; on AVX2 per 256 for Q4_K and Q6_K, per 32 for the other types; as llama.cpp rounds them to int8: faster "
                         "prefill and verification, outputs move slightly); both tiers use it")
     s.add_argument("--threads", type=int, default=None,
                    help="compute threads per model (default: torch's, one per core); fewer than the cores leaves "
