@@ -16,17 +16,23 @@
 // convert of a Q6_K sum past 2^24).
 //
 // Numerics of the 32-value block types (llama.cpp's Q8_0 / Q8_1 activations): x is rounded the same way per block of
-// 32 (its own s_b). Q4_0, Q5_0 and Q8_0 weights are made signed integers (nibble - 8, 5-bit value - 16, the byte) and
-// meet x through vpsignb (|w| unsigned, x with w's sign: |w| <= 128, pairs at most 2 * 128 * 127, never saturating);
-// Q4_1's nibbles meet x as they are. Per block the 8-lane int32 sum (exact) is converted and applied as
-//     acc = fma(float(isum), d_w * s_b, acc)
-// and Q4_1's mins after every group of 8 blocks, as acc = fma(m, s * sum of q, acc) with block b's on lane b % 8.
+// 32 (its own s_b). A row's blocks go 8 at a time, one block per int32 lane: each weight row's 8 blocks are moved into
+// lanes as they are read (nibble_lanes, Q8_0's 8 x 8 transpose; shared by the R activation rows) and x is prepared in
+// the same lanes. Nibbles meet x unsigned (Q4_0 and Q5_0 as nibble and 5-bit value, their offsets 8 and 16 taken off
+// as OFF * (sum of q) on the lane); their int16 pair sums (at most 2 * 31 * 127) add over 8 (Q5_0: 4) weight vectors
+// before one vpmaddwd widens them; Q8_0's bytes meet x through vpsignb (|w| <= 128, pairs at most 2 * 128 * 127,
+// never saturating), widened each. So per group of 8 blocks and row, one exact int32 sum per lane and
+//     acc = fma(float(isum), d_l * s_l, acc)        (then, Q4_1: acc = fma(m_l, s_l * sum of q over block l, acc))
+// The last K / 32 % 8 blocks of a row go one at a time (weights as signed bytes through vpsignb, Q4_1's nibbles as they
+// are): isum over the block's 8 lanes, acc = fma(float(isum), d * s_b, acc), and for Q4_1 their mins on lanes 0..
+// after them.
 //
 // Batch invariance, as in every variant (kernel_variant.h): an output y[r][n] is one fixed sequence of operations
-// that depends only on (type, K, weight row n, activation row r): per super-block (block) the integer sum (exact), one
-// convert, one multiply (d * s), one fma, (Q4_K) one fnmadd, (Q4_1, after each group of 8) one fma; in order; a
-// fixed-tree sum of the 8 lanes. The tile (1 weight row x R <= RMAX activation rows), the schedule and the thread never change it. Results are
-// not the VNNI path's bits (that path scales x per block of 32 for every type, and differs in the order).
+// that depends only on (type, K, weight row n, activation row r): per super-block (group of 8 blocks, block) the
+// integer sum (exact), one convert, one multiply (d * s), one fma, (Q4_K) one fnmadd, (Q4_1) one fma; in order; a
+// fixed-tree sum of the 8 lanes. The tile (1 weight row x R <= RMAX activation rows), the schedule and the thread
+// never change it. Results are not the VNNI path's bits (that path scales x per block of 32 for every type, and
+// differs in the order).
 //
 // Compiled for the baseline ISA with a target pragma, entered only after avx2_usable(); no standard-library or
 // torch header (see qmatmul_kernels.h).
@@ -93,18 +99,24 @@ void prep_row(const float* x, int64_t K, uint8_t* out) {
   }
 }
 
-// A prepared group of 8 blocks of 32 (GB bytes, rows ldx = ceil(nb / 8) * GB apart; a row's last group may hold
-// fewer): int8 q[256] at 0 (block b's at 32 (b % 8)); at GS, 8 floats s_b; at GSS, 8 floats s_b * (sum of q over b).
-constexpr int64_t BV = 32, GB = 320, GS = 256, GSS = 288;
+// A row of the 32-value block types, prepared: its nb / 8 whole groups of 8 blocks in lanes (LG bytes each), then, where
+// nb % 8 != 0, the other blocks in block order (GB bytes). A group in lanes: 8 vectors of 32 bytes, vector v's int32
+// lane l holding q values 4v..4v+3 of block l; at LS, 8 floats s_l; at LSS, 8 floats s_l * (sum of q over block l);
+// at LSUM, 8 int32 sums of q. The last blocks: int8 q[256] (block j's at 32 j); at GS, 8 floats s_j; at GSS, 8 floats
+// s_j * (sum of q over j) (0 past the row: read, as 0 * 0, by Q4_1's mins).
+constexpr int64_t BV = 32, LG = 384, LS = 256, LSS = 288, LSUM = 320, GB = 320, GS = 256, GSS = 288;
+
+UF_INLINE int64_t block_prep_bytes(int64_t K) { return K / BV / 8 * LG + (K / BV % 8 != 0 ? GB : 0); }
 
 void prep_blocks(const float* x, int64_t K, uint8_t* out) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  const int64_t nb = K / BV;
-  if (nb % 8 != 0) __builtin_memset(out + (nb >> 3) * GB + GS, 0, GB - GS);  // the last group's unused floats: 0
+  const int64_t nb = K / BV, whole = nb / 8 * 8;
+  uint8_t* tail = out + nb / 8 * LG;
+  if (nb != whole) __builtin_memset(tail + GS, 0, GB - GS);
+  alignas(32) int8_t q[32];
   for (int64_t b = 0; b < nb; ++b) {
     const float* v = x + b * BV;
-    uint8_t* o = out + (b >> 3) * GB;
     __m256 xv[4], mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
       xv[j] = _mm256_loadu_ps(v + 8 * j);
@@ -120,13 +132,23 @@ void prep_blocks(const float* x, int64_t K, uint8_t* out) {
     __m256i a[4];
     for (int j = 0; j < 4; ++j) a[j] = _mm256_cvtps_epi32(_mm256_div_ps(xv[j], sv));
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
-    uint8_t* q = o + 32 * (b & 7);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p, order));
-    int sum = 0;
-    for (int i = 0; i < 32; ++i) sum += reinterpret_cast<const int8_t*>(q)[i];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p, order));
+    int32_t sum = 0;
+    for (int i = 0; i < 32; ++i) sum += q[i];
     const float ss = s * (float)sum;
-    __builtin_memcpy(o + GS + 4 * (b & 7), &s, 4);
-    __builtin_memcpy(o + GSS + 4 * (b & 7), &ss, 4);
+    if (b < whole) {
+      uint8_t* o = out + b / 8 * LG;
+      const int l = (int)(b & 7);
+      for (int vv = 0; vv < 8; ++vv) __builtin_memcpy(o + 32 * vv + 4 * l, q + 4 * vv, 4);
+      __builtin_memcpy(o + LS + 4 * l, &s, 4);
+      __builtin_memcpy(o + LSS + 4 * l, &ss, 4);
+      __builtin_memcpy(o + LSUM + 4 * l, &sum, 4);
+    } else {
+      const int j = (int)(b - whole);
+      __builtin_memcpy(tail + 32 * j, q, 32);
+      __builtin_memcpy(tail + GS + 4 * j, &s, 4);
+      __builtin_memcpy(tail + GSS + 4 * j, &ss, 4);
+    }
   }
 }
 
@@ -237,28 +259,65 @@ struct Q6K {
   }
 };
 
-// The 32-value block types: T::weights(p) makes a block's 32 weights as bytes, in value order: signed integers
-// (SIGNED) or Q4_1's unsigned nibbles; T::BYTES a block's size; the fp16 d at p.
+// The 32-value block types. T::weights(p): a block's 32 weights as bytes in value order, signed integers (SIGNED) or
+// Q4_1's unsigned nibbles (the last nb % 8 blocks of a row). T::lanes(p, W): 8 blocks' weights (p: the first; BYTES
+// apart) in lanes, W[v]'s int32 lane l holding values 4v..4v+3 of block l: unsigned (Q4_0 and Q5_0 offset by 8 and 16,
+// OFF) or, Q8_0, signed. T::BYTES a block's size; the fp16 d at p.
 UF_INLINE __m256i nibbles(const uint8_t* q) {  // 16 bytes: values 0..15 in the low nibbles, 16..31 in the high ones
   const __m128i v = load128(q);
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
 }
 
+// The 16 bytes at q + 0, q + BB, ..., q + 7 BB (8 blocks' nibbles) in lanes: Q[t]'s int32 lane l = bytes 4t..4t+3 of
+// block l, split into W[t] (their low nibbles: values 4t..4t+3) and W[t + 4] (high: values 16 + 4t..16 + 4t + 3).
+template <int64_t BB>
+UF_INLINE void nibble_lanes(const uint8_t* q, __m256i* W) {
+  const __m256i a = _mm256_set_m128i(load128(q + 4 * BB), load128(q));
+  const __m256i b = _mm256_set_m128i(load128(q + 5 * BB), load128(q + BB));
+  const __m256i c = _mm256_set_m128i(load128(q + 6 * BB), load128(q + 2 * BB));
+  const __m256i d = _mm256_set_m128i(load128(q + 7 * BB), load128(q + 3 * BB));
+  const __m256i t0 = _mm256_unpacklo_epi32(a, b), t1 = _mm256_unpackhi_epi32(a, b);
+  const __m256i t2 = _mm256_unpacklo_epi32(c, d), t3 = _mm256_unpackhi_epi32(c, d);
+  const __m256i Q[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3),
+                        _mm256_unpackhi_epi64(t1, t3)};
+  const __m256i m0f = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
+  for (int t = 0; t < 4; ++t) {
+    W[t] = _mm256_and_si256(Q[t], m0f);
+    W[t + 4] = _mm256_and_si256(_mm256_srli_epi16(Q[t], 4), m0f);
+  }
+}
+
+// 8 fp16 values at p + off, p + BB + off, ...: fp32 on lanes 0..7.
+template <int64_t BB>
+UF_INLINE __m256 halves8(const uint8_t* p, int off) {
+  uint16_t h[8];
+#pragma GCC unroll 8
+  for (int l = 0; l < 8; ++l) __builtin_memcpy(&h[l], p + l * BB + off, 2);
+  return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5],
+                                        (short)h[6], (short)h[7]));
+}
+
 struct Q4_0B {  // d, 16 bytes of nibbles; w = nibble - 8
   static constexpr int64_t BYTES = 18;
   static constexpr bool SIGNED = true, MINS = false;
+  static constexpr int OFF = 8, SPAN = 8;  // SPAN: lane vectors whose int16 pair sums add without overflow
   static UF_INLINE __m256i weights(const uint8_t* p) { return _mm256_sub_epi8(nibbles(p + 2), _mm256_set1_epi8(8)); }
+  static UF_INLINE void lanes(const uint8_t* p, __m256i* W) { nibble_lanes<BYTES>(p + 2, W); }
 };
 
 struct Q4_1B {  // d, m, 16 bytes of nibbles; w = d * nibble + m
   static constexpr int64_t BYTES = 20;
   static constexpr bool SIGNED = false, MINS = true;
+  static constexpr int OFF = 0, SPAN = 8;
   static UF_INLINE __m256i weights(const uint8_t* p) { return nibbles(p + 4); }
+  static UF_INLINE void lanes(const uint8_t* p, __m256i* W) { nibble_lanes<BYTES>(p + 4, W); }
 };
 
 struct Q5_0B {  // d, 32 high bits (bit i: value i's), 16 bytes of nibbles; w = (nibble | high << 4) - 16
   static constexpr int64_t BYTES = 22;
   static constexpr bool SIGNED = true, MINS = false;
+  static constexpr int OFF = 16, SPAN = 4;  // values up to 31: 4 vectors' pairs, 4 * 2 * 31 * 127 < 2^15
   static UF_INLINE __m256i weights(const uint8_t* p) {
     uint32_t qh;
     __builtin_memcpy(&qh, p + 2, 4);
@@ -271,21 +330,56 @@ struct Q5_0B {  // d, 32 high bits (bit i: value i's), 16 bytes of nibbles; w = 
     // high set: the nibble (0..15); clear: nibble - 16, whose byte is the nibble with 0xF0 set
     return _mm256_or_si256(nibbles(p + 6), _mm256_andnot_si256(high, _mm256_set1_epi8((char)0xF0)));
   }
+  static UF_INLINE void lanes(const uint8_t* p, __m256i* W) {
+    nibble_lanes<BYTES>(p + 6, W);
+    uint32_t qh[8];
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) __builtin_memcpy(&qh[l], p + l * BYTES + 2, 4);
+    const __m256i H = _mm256_setr_epi32((int)qh[0], (int)qh[1], (int)qh[2], (int)qh[3], (int)qh[4], (int)qh[5],
+                                        (int)qh[6], (int)qh[7]);
+    const __m256i b16 = _mm256_set1_epi8(0x10);
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) {  // values 4v..4v+3: bits 4v..4v+3 of qh, in its byte v / 2
+      const char k = (char)(v / 2), k4 = (char)(4 + v / 2), k8 = (char)(8 + v / 2), k12 = (char)(12 + v / 2);
+      const __m256i spread = _mm256_shuffle_epi8(
+          H, _mm256_setr_epi8(k, k, k, k, k4, k4, k4, k4, k8, k8, k8, k8, k12, k12, k12, k12, k, k, k, k, k4, k4, k4, k4,
+                              k8, k8, k8, k8, k12, k12, k12, k12));
+      const __m256i bit = _mm256_set1_epi32(v & 1 ? (int)0x80402010 : 0x08040201);
+      W[v] = _mm256_or_si256(W[v], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), b16));
+    }
+  }
 };
 
 struct Q8_0B {  // d, 32 int8
   static constexpr int64_t BYTES = 34;
   static constexpr bool SIGNED = true, MINS = false;
+  static constexpr int OFF = 0, SPAN = 1;
   static UF_INLINE __m256i weights(const uint8_t* p) { return load256(p + 2); }
+  static UF_INLINE void lanes(const uint8_t* p, __m256i* W) {  // an 8 x 8 transpose of int32 pieces
+    __m256i r[8];
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) r[l] = load256(p + l * BYTES + 2);
+    __m256i t[8], u[8];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {
+      u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    // u[j] (j < 4): dword j of blocks 0..3 (low lane: of their low halves, high lane: high halves); u[4 + j]: blocks 4..7
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      W[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+      W[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+    }
+  }
 };
-
-// Q4_1's mins of the 8 blocks of group g (fewer in a row's last group): m_b as fp32 on lane b % 8, 0 past the row.
-UF_INLINE __m256 q4_1_group_mins(const uint8_t* p, int64_t g, int64_t nb) {
-  const int64_t n = nb - 8 * g < 8 ? nb - 8 * g : 8;
-  uint16_t m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int64_t j = 0; j < n; ++j) __builtin_memcpy(&m[j], p + (8 * g + j) * Q4_1B::BYTES + 2, 2);
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m)));
-}
 
 // Every linear's tile: one weight row against R activation rows, with the R accumulators in registers. T::row<R>.
 template <class T>
@@ -306,20 +400,67 @@ struct SuperBlocks {  // Q4_K, Q6_K: units of 256 values
 template <class T>
 struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
   static constexpr int64_t VALUES = BV;
+
+  // A whole group of 8 blocks (p: its first) against the R rows' lane groups (xg, ldx apart): per row the int32 sum of
+  // each block on its lane (exact: int16 pair sums added SPAN vectors at a time, then widened), one convert and one
+  // fma with d_l * s_l; Q4_1 then its mins, Q4_0 and Q5_0 their offsets in the integer sum.
+  template <int R>
+  static UF_INLINE void group(const uint8_t* p, const uint8_t* xg, int64_t ldx, __m256* acc) {
+    alignas(32) __m256i W[8], A[8];
+    T::lanes(p, W);
+    if (T::SPAN == 1) {  // Q8_0: |w| beside w (x takes w's sign)
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v) A[v] = _mm256_abs_epi8(W[v]);
+    }
+    const __m256 d = halves8<T::BYTES>(p, 0);
+    const __m256 m = T::MINS ? halves8<T::BYTES>(p, 2) : _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* x = xg + r * ldx;
+      __m256i isum = _mm256_setzero_si256();
+      if (T::SPAN == 1) {
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; ++v) {
+          const __m256i xv = _mm256_sign_epi8(load256(x + 32 * v), W[v]);
+          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(A[v], xv), ones));
+        }
+      } else {
+#pragma GCC unroll 2
+        for (int v0 = 0; v0 < 8; v0 += T::SPAN) {
+          __m256i s16 = _mm256_maddubs_epi16(W[v0], load256(x + 32 * v0));
+#pragma GCC unroll 8
+          for (int v = v0 + 1; v < v0 + T::SPAN; ++v)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(W[v], load256(x + 32 * v)));
+          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, ones));
+        }
+        if (T::OFF != 0)  // OFF * (sum of q) on each block's lane (OFF = 8 or 16)
+          isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(load256(x + LSUM), T::OFF == 8 ? 3 : 4));
+      }
+      const __m256 ds = _mm256_mul_ps(d, _mm256_loadu_ps(reinterpret_cast<const float*>(x + LS)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), ds, acc[r]);
+      if (T::MINS) acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(reinterpret_cast<const float*>(x + LSS)), acc[r]);
+    }
+  }
+
   template <int R>
   __attribute__((noinline)) static void row(const uint8_t* __restrict p, int64_t nb, const uint8_t* __restrict xg,
                                             int64_t ldx, float* y, int64_t ldy) {
     __m256 acc[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const int64_t whole = nb / 8 * 8;
+    for (int64_t g = 0; g < whole / 8; ++g) group<R>(p + 8 * g * T::BYTES, xg + g * LG, ldx, acc);
+    // the last nb % 8 blocks, one at a time
+    const uint8_t* xt = xg + whole / 8 * LG;
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = whole; b < nb; ++b) {
       const uint8_t* blk = p + b * T::BYTES;
       const __m256i w = T::weights(blk);
       const __m256i uw = T::SIGNED ? _mm256_abs_epi8(w) : w;
       const __m256 d = _mm256_set1_ps(h2f(blk));
-      const uint8_t* xq = xg + (b >> 3) * GB + 32 * (b & 7);
-      const float* xs = reinterpret_cast<const float*>(xg + (b >> 3) * GB + GS + 4 * (b & 7));
+      const uint8_t* xq = xt + 32 * (b - whole);
+      const float* xs = reinterpret_cast<const float*>(xt + GS + 4 * (b - whole));
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         __m256i xv = load256(xq + r * ldx);
@@ -329,12 +470,14 @@ struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), ds, acc[r]);
         __asm__("" : "+x"(acc[r]));
       }
-      if (T::MINS && ((b & 7) == 7 || b == nb - 1)) {  // after a group: its 8 mins, m_b * (s_b * sum of q), a lane each
-        const __m256 m = q4_1_group_mins(p, b >> 3, nb);
-        const float* xm = reinterpret_cast<const float*>(xg + (b >> 3) * GB + GSS);
+    }
+    if (T::MINS && whole < nb) {  // their mins, m_j * (s_j * sum of q), block whole + j's on lane j
+      uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t j = 0; j < nb - whole; ++j) __builtin_memcpy(&h[j], p + (whole + j) * T::BYTES + 2, 2);
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xm + r * (ldx / 4)), acc[r]);
-      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(reinterpret_cast<const float*>(xt + GSS + r * ldx)), acc[r]);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]);
@@ -406,7 +549,7 @@ bool qmm_avx2_int8_supports(int qtype) {
 }
 
 int64_t qmm_prep_bytes_avx2_int8(int qtype, int64_t K, bool) {
-  return super_block_type(qtype) ? (K + SBV - 1) / SBV * XSB : (K + 8 * BV - 1) / (8 * BV) * GB;
+  return super_block_type(qtype) ? (K + SBV - 1) / SBV * XSB : block_prep_bytes(K);
 }
 
 int64_t qmm_prep_units_avx2_int8(int, int64_t) { return 1; }
