@@ -587,7 +587,7 @@ def test_avx2_int8_activations_batch_invariant(avx2_int8, qtype):
     raw = torch.from_numpy(random_weight(qtype, 35, k_in, seed=7))
     x = torch.randn(37, k_in, generator=torch.Generator().manual_seed(1))
     singles = torch.cat([uk.qmatmul(x[i:i + 1], raw, qtype, k_in, act_bits=8) for i in range(37)])
-    for k in (2, 3, 5, 8, 9, 16, 37):  # chunks of up to 8 rows, whole rows (k <= 16) and the weight-tiled schedule
+    for k in (2, 3, 5, 8, 9, 16, 37):  # tiles of up to 8 rows (the K-quants) or 16, and (37) the weight-tiled schedule
         assert torch.equal(uk.qmatmul(x[:k], raw, qtype, k_in, act_bits=8), singles[:k]), f"k={k}"
     with num_threads(1):
         assert torch.equal(uk.qmatmul(x[:16], raw, qtype, k_in, act_bits=8), singles[:16])

@@ -30,7 +30,7 @@
 // Batch invariance, as in every variant (kernel_variant.h): an output y[r][n] is one fixed sequence of operations
 // that depends only on (type, K, weight row n, activation row r): per super-block (group of 8 blocks, block) the
 // integer sum (exact), one convert, one multiply (d * s), one fma, (Q4_K) one fnmadd, (Q4_1) one fma; in order; a
-// fixed-tree sum of the 8 lanes. The tile (1 weight row x R <= RMAX activation rows), the schedule and the thread
+// fixed-tree sum of the 8 lanes. The tile (1 weight row x R <= 8 or 16 activation rows), the schedule and the thread
 // never change it. Results are not the VNNI path's bits (that path scales x per block of 32 for every type, and
 // differs in the order).
 //
@@ -59,7 +59,8 @@ namespace {
 // A prepared super-block (XSB bytes, rows ldx = nsb * XSB apart): int8 q[256] at 0; at XS, 8 floats s * (sum of q
 // over sub-block j of 32); at BS, 16 int16 sums of q over each scale group of 16; at S, the float s.
 constexpr int64_t SBV = 256, XSB = 384, XS = 256, BS = 288, S = 320;
-constexpr int RMAX = 8;  // activation rows a tile (their integer sums in registers, their accumulators as they fall)
+constexpr int RMAX = 8;  // activation rows a tile of the K-quants (their integer sums in registers, their accumulators as
+                         // they fall); the block types take up to 2 * RMAX (their weights in lanes, made once a tile)
 
 void prep_row(const float* x, int64_t K, uint8_t* out) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -385,6 +386,7 @@ struct Q8_0B {  // d, 32 int8
 template <class T>
 struct SuperBlocks {  // Q4_K, Q6_K: units of 256 values
   static constexpr int64_t VALUES = SBV;
+  static constexpr int ROWS = RMAX;
   template <int R>
   __attribute__((noinline)) static void row(const uint8_t* __restrict p, int64_t nsb, const uint8_t* __restrict xg,
                                             int64_t ldx, float* y, int64_t ldy) {
@@ -400,6 +402,7 @@ struct SuperBlocks {  // Q4_K, Q6_K: units of 256 values
 template <class T>
 struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
   static constexpr int64_t VALUES = BV;
+  static constexpr int ROWS = 2 * RMAX;
 
   // A whole group of 8 blocks (p: its first) against the R rows' lane groups (xg, ldx apart): per row the int32 sum of
   // each block on its lane (exact: int16 pair sums added SPAN vectors at a time, then widened), one convert and one
@@ -415,7 +418,7 @@ struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
     const __m256 d = halves8<T::BYTES>(p, 0);
     const __m256 m = T::MINS ? halves8<T::BYTES>(p, 2) : _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const uint8_t* x = xg + r * ldx;
       __m256i isum = _mm256_setzero_si256();
@@ -447,7 +450,7 @@ struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
   __attribute__((noinline)) static void row(const uint8_t* __restrict p, int64_t nb, const uint8_t* __restrict xg,
                                             int64_t ldx, float* y, int64_t ldy) {
     __m256 acc[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const int64_t whole = nb / 8 * 8;
     for (int64_t g = 0; g < whole / 8; ++g) group<R>(p + 8 * g * T::BYTES, xg + g * LG, ldx, acc);
@@ -461,7 +464,7 @@ struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
       const __m256 d = _mm256_set1_ps(h2f(blk));
       const uint8_t* xq = xt + 32 * (b - whole);
       const float* xs = reinterpret_cast<const float*>(xt + GS + 4 * (b - whole));
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         __m256i xv = load256(xq + r * ldx);
         if (T::SIGNED) xv = _mm256_sign_epi8(xv, w);
@@ -475,11 +478,11 @@ struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
       uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int64_t j = 0; j < nb - whole; ++j) __builtin_memcpy(&h[j], p + (whole + j) * T::BYTES + 2, 2);
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r)
         acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(reinterpret_cast<const float*>(xt + GSS + r * ldx)), acc[r]);
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]);
   }
 };
@@ -487,18 +490,31 @@ struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
 template <class U>
 void run_rows(const uint8_t* p, int64_t nu, const uint8_t* xg, int64_t ldx, int64_t rr, float* y, int64_t ldy) {
   switch (rr) {
-    case 1: U::template row<1>(p, nu, xg, ldx, y, ldy); break;
-    case 2: U::template row<2>(p, nu, xg, ldx, y, ldy); break;
-    case 3: U::template row<3>(p, nu, xg, ldx, y, ldy); break;
-    case 4: U::template row<4>(p, nu, xg, ldx, y, ldy); break;
-    case 5: U::template row<5>(p, nu, xg, ldx, y, ldy); break;
-    case 6: U::template row<6>(p, nu, xg, ldx, y, ldy); break;
-    case 7: U::template row<7>(p, nu, xg, ldx, y, ldy); break;
-    default: U::template row<8>(p, nu, xg, ldx, y, ldy); break;
+    case 1: U::template row<1>(p, nu, xg, ldx, y, ldy); return;
+    case 2: U::template row<2>(p, nu, xg, ldx, y, ldy); return;
+    case 3: U::template row<3>(p, nu, xg, ldx, y, ldy); return;
+    case 4: U::template row<4>(p, nu, xg, ldx, y, ldy); return;
+    case 5: U::template row<5>(p, nu, xg, ldx, y, ldy); return;
+    case 6: U::template row<6>(p, nu, xg, ldx, y, ldy); return;
+    case 7: U::template row<7>(p, nu, xg, ldx, y, ldy); return;
+    case 8: U::template row<8>(p, nu, xg, ldx, y, ldy); return;
+    default: break;
+  }
+  if constexpr (U::ROWS > 8) {
+    switch (rr) {
+      case 9: U::template row<9>(p, nu, xg, ldx, y, ldy); return;
+      case 10: U::template row<10>(p, nu, xg, ldx, y, ldy); return;
+      case 11: U::template row<11>(p, nu, xg, ldx, y, ldy); return;
+      case 12: U::template row<12>(p, nu, xg, ldx, y, ldy); return;
+      case 13: U::template row<13>(p, nu, xg, ldx, y, ldy); return;
+      case 14: U::template row<14>(p, nu, xg, ldx, y, ldy); return;
+      case 15: U::template row<15>(p, nu, xg, ldx, y, ldy); return;
+      default: U::template row<16>(p, nu, xg, ldx, y, ldy); return;
+    }
   }
 }
 
-// Weight rows [n0, n1) against the k prepared rows (ldx bytes apart), in chunks of RMAX activation rows as even as
+// Weight rows [n0, n1) against the k prepared rows (ldx bytes apart), in chunks of U::ROWS activation rows as even as
 // they can be. Few rows (decode, verification): each weight row is read once from memory and then met by every chunk
 // (it stays in L1). More (prefill): tiles of weight rows of ~128 KB, read from memory once and kept in L2, each swept
 // by every chunk. Both schedules give every output the same operations.
@@ -506,13 +522,13 @@ template <class U>
 void rows_impl(const uint8_t* xg, int64_t k, int64_t K, int64_t ldx, const uint8_t* w, int64_t rb, float* y,
                int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nu = K / U::VALUES;
-  const int64_t nch = (k + RMAX - 1) / RMAX, per = (k + nch - 1) / nch;
+  const int64_t nch = (k + U::ROWS - 1) / U::ROWS, per = (k + nch - 1) / nch;
   int64_t tile = (128 * 1024) / (rb > 0 ? rb : 1);
   if (tile < 1) tile = 1;
-  if (k <= 2 * RMAX) tile = n1 - n0;
+  if (k <= 2 * U::ROWS) tile = n1 - n0;
   for (int64_t nt = n0; nt < n1; nt += tile) {
     const int64_t ne = nt + tile < n1 ? nt + tile : n1;
-    if (k <= 2 * RMAX) {
+    if (k <= 2 * U::ROWS) {
       for (int64_t n = nt; n < ne; ++n)
         for (int64_t r0 = 0; r0 < k; r0 += per)
           run_rows<U>(w + n * rb, nu, xg + r0 * ldx, ldx, k - r0 < per ? k - r0 : per, y + r0 * ldy + n, ldy);
