@@ -487,31 +487,13 @@ struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
   }
 };
 
-template <class U>
+// U::row<rr> (1 <= rr <= U::ROWS): a function of its own for each tile height (the registers it keeps).
+template <class U, int R = 1>
 void run_rows(const uint8_t* p, int64_t nu, const uint8_t* xg, int64_t ldx, int64_t rr, float* y, int64_t ldy) {
-  switch (rr) {
-    case 1: U::template row<1>(p, nu, xg, ldx, y, ldy); return;
-    case 2: U::template row<2>(p, nu, xg, ldx, y, ldy); return;
-    case 3: U::template row<3>(p, nu, xg, ldx, y, ldy); return;
-    case 4: U::template row<4>(p, nu, xg, ldx, y, ldy); return;
-    case 5: U::template row<5>(p, nu, xg, ldx, y, ldy); return;
-    case 6: U::template row<6>(p, nu, xg, ldx, y, ldy); return;
-    case 7: U::template row<7>(p, nu, xg, ldx, y, ldy); return;
-    case 8: U::template row<8>(p, nu, xg, ldx, y, ldy); return;
-    default: break;
+  if constexpr (R < U::ROWS) {
+    if (rr > R) return run_rows<U, R + 1>(p, nu, xg, ldx, rr, y, ldy);
   }
-  if constexpr (U::ROWS > 8) {
-    switch (rr) {
-      case 9: U::template row<9>(p, nu, xg, ldx, y, ldy); return;
-      case 10: U::template row<10>(p, nu, xg, ldx, y, ldy); return;
-      case 11: U::template row<11>(p, nu, xg, ldx, y, ldy); return;
-      case 12: U::template row<12>(p, nu, xg, ldx, y, ldy); return;
-      case 13: U::template row<13>(p, nu, xg, ldx, y, ldy); return;
-      case 14: U::template row<14>(p, nu, xg, ldx, y, ldy); return;
-      case 15: U::template row<15>(p, nu, xg, ldx, y, ldy); return;
-      default: U::template row<16>(p, nu, xg, ldx, y, ldy); return;
-    }
-  }
+  U::template row<R>(p, nu, xg, ldx, y, ldy);
 }
 
 // Weight rows [n0, n1) against the k prepared rows (ldx bytes apart), in chunks of U::ROWS activation rows as even as
