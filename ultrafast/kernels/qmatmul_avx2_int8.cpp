@@ -62,6 +62,15 @@ constexpr int64_t SBV = 256, XSB = 384, XS = 256, BS = 288, S = 320;
 constexpr int RMAX = 8;  // activation rows a tile of the K-quants (their integer sums in registers, their accumulators as
                          // they fall); the block types take up to 2 * RMAX (their weights in lanes, made once a tile)
 
+// The int8 scale of a block of x from its lanes' max |x| and NaN flags: s = max|x| / 127; NaN where the block holds a
+// NaN, inf where it holds an inf, so that the row's outputs are non-finite too (as on every path); 0 where all are 0.
+UF_INLINE float int8_scale(__m256 mx, __m256 nan) {
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  return _mm256_movemask_ps(nan) ? __builtin_nanf("") : _mm_cvtss_f32(m4) / 127.0f;
+}
+
 void prep_row(const float* x, int64_t K, uint8_t* out) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -74,13 +83,8 @@ void prep_row(const float* x, int64_t K, uint8_t* out) {
       mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, xv));
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));  // max drops NaN: noted apart
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
-    // a NaN or inf in the super-block makes s NaN or inf, and so the row's outputs (as on every path)
-    const float s = _mm256_movemask_ps(nan) ? __builtin_nanf("") : amax / 127.0f;
-    const __m256 sv = _mm256_set1_ps(amax > 0.0f ? s : 1.0f);  // an all-zero super-block: q = 0
+    const float s = int8_scale(mx, nan);
+    const __m256 sv = _mm256_set1_ps(s > 0.0f ? s : 1.0f);  // an all-zero super-block: q = 0
     for (int i = 0; i < SBV; i += 32) {  // rint(x / s) (the default rounding: to nearest even), int32 -> int8 in order
       __m256i a[4];
       for (int j = 0; j < 4; ++j) a[j] = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(v + i + 8 * j), sv));
@@ -124,12 +128,8 @@ void prep_blocks(const float* x, int64_t K, uint8_t* out) {
       mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, xv[j]));
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv[j], xv[j], _CMP_UNORD_Q));
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
-    const float s = _mm256_movemask_ps(nan) ? __builtin_nanf("") : amax / 127.0f;
-    const __m256 sv = _mm256_set1_ps(amax > 0.0f ? s : 1.0f);
+    const float s = int8_scale(mx, nan);
+    const __m256 sv = _mm256_set1_ps(s > 0.0f ? s : 1.0f);
     __m256i a[4];
     for (int j = 0; j < 4; ++j) a[j] = _mm256_cvtps_epi32(_mm256_div_ps(xv[j], sv));
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
