@@ -5,11 +5,10 @@
 //
 // Numerics of Q4_K and Q6_K (llama.cpp's for these types on AVX2: its Q8_K activations): each activation row is
 // quantized once per call, per super-block of 256 values, to int8: s = max|x| / 127, q_i = rint(x_i / s) (q = 0
-// where max|x| = 0). The
-// weights stay the file's small unsigned integers (Q4_K 0..15, Q6_K 0..63), multiplied with q by vpmaddubsw
-// (unsigned byte x signed byte, adjacent pairs summed into int16: at most 2 * 63 * 127, never saturating), then by
-// the sub-block's integer scale with vpmaddwd (int16 pairs into int32): the super-block's sum of sc_j * q_w . q_x is
-// exact in int32. Q6_K's -32 offset is folded in exactly, as 32 * sum_g sc_g * (sum of q over scale group g). Per
+// where max|x| = 0). The weights stay the file's small unsigned integers (Q4_K 0..15, Q6_K 0..63), multiplied with q
+// by vpmaddubsw (unsigned byte x signed byte, adjacent pairs summed into int16: at most 2 * 63 * 127, never
+// saturating), then by the sub-block's integer scale with vpmaddwd (int16 pairs into int32): the super-block's sum of
+// sc_j * q_w . q_x is exact in int32. Q6_K's -32 offset is folded in exactly, as 32 * sum_g sc_g * (sum of q over scale group g). Per
 // super-block that sum is converted to fp32 and applied as
 //     acc += (d * s) * isum                 (then, Q4_K: acc -= (dmin * m_j) * (s * sum of q over sub-block j))
 // with acc an 8-lane fp32 accumulator per output. The only approximation is the int8 rounding of x (and the
