@@ -262,7 +262,7 @@ def test_decoder_block_rejects_bad_input():
         run_layer(x, [0], [1], [kc], [vc], raws[:6] + [raws[5]], biases, norms, cos, sin)
     uk.set_kernels_path("scalar")
     try:
-        with pytest.raises(ValueError, match="int8 activations need the AVX512-VNNI kernels"):
+        with pytest.raises(ValueError, match="int8 activations need the AVX512-VNNI or the AVX2 integer kernels"):
             uk.decoder_block(x, [0], [1], norms[0], norms[1], EPS, raws, TYPES, biases, [kc], [vc],
                              cos[:1].contiguous(), sin[:1].contiguous(), H, HKV, HD, 1 / math.sqrt(HD), act_bits=8)
     finally:
