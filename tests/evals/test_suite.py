@@ -11,8 +11,8 @@ import sys
 def test_a_small_suite_in_both_tiers(tmp_path, smollm_path):
     from ultrafast import kernels
 
-    # int8 activations where this CPU has the VNNI kernels (the server refuses them elsewhere), else the default
-    bits = "8" if kernels.available() and kernels.load().vnni_supported() else "16"
+    # int8 activations where this CPU has integer kernels for them (the server refuses them elsewhere), else the default
+    bits = "8" if kernels.available() and kernels.linear_path(kernels.Q4_1, 8) else "16"
     out, summary = tmp_path / "records.jsonl", tmp_path / "suite.json"
     questions = tmp_path / "question.jsonl"  # Spec-Bench's format (a clean clone has no ../shared beside it)
     questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n" for i, (c, t) in
