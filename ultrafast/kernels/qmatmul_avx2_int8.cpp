@@ -288,12 +288,12 @@ UF_INLINE void nibble_lanes(const uint8_t* q, __m256i* W) {
   }
 }
 
-// 8 fp16 values at p + off, p + BB + off, ...: fp32 on lanes 0..7.
+// n <= 8 fp16 values at p + off, p + BB + off, ...: fp32 on lanes 0..n-1, 0 on the others.
 template <int64_t BB>
-UF_INLINE __m256 halves8(const uint8_t* p, int off) {
-  uint16_t h[8];
+UF_INLINE __m256 halves8(const uint8_t* p, int off, int64_t n = 8) {
+  uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma GCC unroll 8
-  for (int l = 0; l < 8; ++l) __builtin_memcpy(&h[l], p + l * BB + off, 2);
+  for (int64_t l = 0; l < n; ++l) __builtin_memcpy(&h[l], p + l * BB + off, 2);
   return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5],
                                         (short)h[6], (short)h[7]));
 }
@@ -474,9 +474,7 @@ struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
       }
     }
     if (T::MINS && whole < nb) {  // their mins, m_j * (s_j * sum of q), block whole + j's on lane j
-      uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t j = 0; j < nb - whole; ++j) __builtin_memcpy(&h[j], p + (whole + j) * T::BYTES + 2, 2);
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+      const __m256 m = halves8<T::BYTES>(p + whole * T::BYTES, 2, nb - whole);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r)
         acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(reinterpret_cast<const float*>(xt + GSS + r * ldx)), acc[r]);
