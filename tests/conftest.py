@@ -56,7 +56,7 @@ def tiny_head(smollm_path, tmp_path_factory):
 
     d = tmp_path_factory.mktemp("tiny-head")
     recipe = Recipe(tokens=5000, seq_len=192, epochs=3, depth=2, lr=2e-3, batch_tokens=384, draft_vocab=2048,
-                    code_share=0.3, heldout=8)
+                    code_share=0.3, heldout=8, features="bf16")
     report = train_draft(str(smollm_path), recipe, out=d / "head.pt", work_dir=d / "work", stream=io.StringIO(),
                          conversations=docstring_conversations())
     return report, d / "head.pt"

@@ -443,12 +443,14 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
              "ffn_dim": "the head's FFN width (0: the target's, at most 3x its width)",
              "code_share": "share of training tokens from standard-library Python code",
              "heldout": "held-out conversations for the report", "reg_weight": "weight of the feature loss",
-             "seed": "data order and initialisation", "bf16": "train under bf16 autocast (1) or fp32 (0)",
+             "seed": "data order and initialisation", "bf16": "train under bf16 autocast where this CPU's bf16 matmul is the faster (1) or always in fp32 (0)",
              "source": "text: the corpus as written; greedy: its prompts continued by the target's own greedy "
                        "tokens (what the tier verifies at temperature 0; code-share is then a share of prompts)",
              "gen_batch": "prompts continued together in batched passes (source greedy)",
-             "features": "the training features' forward: bf16 (bf16 weights, PyTorch's bf16 matmul, ~2x faster) "
-                         "or packed (the engine's own kernels); held-out features are always the engine's",
+             "features": "the training features' forward: bf16 (bf16 weights, PyTorch's bf16 matmul), int8 (the "
+                         "packed kernels at 8-bit activations), packed (the engine's own kernels as it serves) or "
+                         "auto (int8 where this CPU has integer kernels for the file and no bf16 multiplier, else "
+                         "bf16); held-out features are always the engine's",
              "extra_layers": "target layers whose outputs the head reads beside the last one's (EAGLE-3's fused "
                              "features): empty for none, eagle3 for the third and the middle layer, or indices "
                              "like 2,12"}

@@ -204,3 +204,46 @@ def test_train_draft_cli_refuses_bad_values(capsys):
     with pytest.raises(SystemExit) as e:
         main(["train-draft", "--model", "smollm2-135m", "--source", "web"])
     assert e.value.code == 2 and "--source" in capsys.readouterr().err
+
+
+def test_int8_features_come_from_the_packed_kernels_at_8_bit_activations(smollm_path, smollm_engine, tmp_path):
+    """`--features int8`: the training shards hold the engine's features at 8-bit activations, bit for bit; the
+    held-out ones stay the engine's as it serves (16-bit); and a head trains on them. `--bf16 0` trains in fp32."""
+    from tests.conftest import docstring_conversations
+    from ultrafast import kernels
+    from ultrafast.engine import Engine
+
+    if not kernels.available() or not kernels.linear_path(kernels.Q4_1, 8):
+        pytest.skip("no integer kernels for SmolLM2's types on this CPU")
+    recipe = Recipe(tokens=1500, seq_len=128, epochs=1, depth=2, lr=2e-3, batch_tokens=384, draft_vocab=1024,
+                    heldout=4, features="int8", bf16=False)
+    report = train_draft(str(smollm_path), recipe, out=tmp_path / "head.pt", work_dir=tmp_path / "work",
+                         stream=io.StringIO(), conversations=docstring_conversations())
+    assert report["train_precision"] == "fp32" and report["steps"] > 0 and 0 < report["loss_last"] < float("inf")
+    assert json.loads(read_head_file(tmp_path / "head.pt")["recipe"])["features"] == "int8"
+    (fdir,) = (tmp_path / "work").glob("features-*")
+    train = torch.load(fdir / "train-00000.pt", weights_only=True)
+    held = torch.load(fdir / "heldout-00000.pt", weights_only=True)
+    int8 = Engine.from_loaded(smollm_engine.loaded, max_context=256, device="cpu", activation_bits=8)
+    ids, feats, greedy = train["tokens"][0], train["feats"][0], train["greedy"][0]
+    f, g = sequence_features(int8, ids.tolist(), int8.new_cache())
+    assert torch.equal(f, feats) and torch.equal(g.to(torch.int32), greedy)
+    packed, _ = sequence_features(smollm_engine, ids.tolist(), smollm_engine.new_cache())
+    assert not torch.equal(packed, feats)
+    ids, feats = held["tokens"][0], held["feats"][0]
+    f, _ = sequence_features(smollm_engine, ids.tolist(), smollm_engine.new_cache())
+    assert torch.equal(f, feats)
+
+
+def test_auto_features_resolve_to_a_forward_this_cpu_runs(smollm_engine):
+    from ultrafast import kernels
+    from ultrafast.bf16 import bf16_matmul_pays
+    from ultrafast.training import features_for
+
+    assert features_for(Recipe(features="packed"), smollm_engine) == "packed"
+    got = features_for(Recipe(), smollm_engine)
+    assert got in ("bf16", "int8")
+    if got == "int8":  # chosen only where the integer kernels take SmolLM2's types (Q4_1 among them)
+        assert kernels.linear_path(kernels.Q4_1, 8) and not bf16_matmul_pays(smollm_engine.config.dim)
+    elif not kernels.available() or not kernels.linear_path(kernels.Q4_1, 8):
+        assert got == "bf16"

@@ -14,7 +14,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -37,14 +37,16 @@ class Recipe:
     heldout: int = 24  # held-out conversations for the report
     reg_weight: float = 1.0
     seed: int = 0
-    bf16: bool = True  # train under bf16 autocast (twice fp32's speed on CPUs with AVX512-BF16)
+    bf16: bool = True  # train under bf16 autocast where this CPU multiplies bf16 faster than fp32 (AVX512-BF16:
+    # ~2x); without a bf16 multiplier (AVX2 parts) autocast ran 25x slower than fp32, so there it trains in fp32
     source: str = "text"  # "text": the corpus as written; "greedy": its prompts continued by the target itself
     gen_batch: int = 16  # prompts continued together (source greedy); the data does not depend on it
-    features: str = "bf16"  # the training features' forward: "bf16" (bf16.py, ~2x faster) or "packed" (the engine)
+    features: str = "auto"  # the training features' forward: "bf16" (bf16.py), "int8" (the packed kernels at 8-bit
+    # activations), "packed" (the engine as it serves, 16-bit activations) or "auto" (`features_for`)
     extra_layers: str = ""  # target layers the head also reads (EAGLE-3): "" none, "eagle3" (a low and a middle one) or "i,j"
 
     SOURCES = ("text", "greedy")
-    FEATURES = ("bf16", "packed")
+    FEATURES = ("auto", "bf16", "int8", "packed")
 
     def validate(self) -> None:
         if self.source not in self.SOURCES:
@@ -107,6 +109,28 @@ class Recipe:
         return min(vocab_size, self.draft_vocab or max(256, (vocab_size // 5 + 255) // 256 * 256))
 
 
+FEATURE_FORWARDS = {"bf16": "the bf16 forward", "int8": "the packed kernels at 8-bit activations",
+                    "packed": "the engine's packed kernels"}
+
+
+def features_for(recipe: Recipe, engine) -> str:
+    """The training features' forward a recipe asks for; "auto": the packed kernels at 8-bit activations where
+    this CPU has integer kernels for every quantized linear of the file and no bf16 multiplier (PyTorch's bf16
+    matmul no faster than fp32; on a Zen 3 the int8 features came 2.2x as fast as the bf16 forward's for the
+    1.5B and 1.5x for SmolLM2, and trained as good a head), elsewhere the bf16 forward (with AVX512-BF16 or
+    AMX, 1.5-2x the packed 16-bit kernels)."""
+    if recipe.features != "auto":
+        return recipe.features
+    from .. import kernels
+    from ..bf16 import bf16_matmul_pays
+    from ..packed import PackedLinear
+
+    qtypes = {m.qtype for m in engine.model.modules() if isinstance(m, PackedLinear)}
+    if qtypes and all(kernels.linear_path(q, 8) for q in qtypes) and not bf16_matmul_pays(engine.config.dim):
+        return "int8"
+    return "bf16"
+
+
 def _say(stream: TextIO, text: str) -> None:
     stream.write(text + "\n")
     stream.flush()
@@ -138,6 +162,7 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
     under $ULTRAFAST_HOME/drafts/work)."""
     from tqdm import tqdm
 
+    from ..bf16 import bf16_matmul_pays
     from ..draft_head import DraftHead, HeadConfig, file_sha256, head_path_for, heads_dir, save_head
     from ..engine import Engine
     from ..pull import resolve_model
@@ -152,6 +177,7 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
     path = resolve_model(model)
     sha = file_sha256(path)
     engine = Engine.from_path(path, max_context=recipe.seq_len + 16)
+    recipe = replace(recipe, features=features_for(recipe, engine))
     work = Path(work_dir) if work_dir else heads_dir() / "work" / f"{path.stem}-{sha[:16]}"
     features_dir = work / f"features-{recipe.data_key()}"
     ckpt = work / f"train-{recipe.key()}.ckpt.pt"
@@ -173,18 +199,22 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
         _say(stream, f"train-draft: {path.name} (sha256 {sha[:16]}...), {len(corpus.train)} sequences / "
                      f"{sum(map(len, corpus.train))} tokens to train on, {len(corpus.heldout)} / "
                      f"{sum(map(len, corpus.heldout))} held out; work dir {work}")
+    _say(stream, f"train-draft: training features from {FEATURE_FORWARDS[recipe.features]}; held-out ones from the "
+                 "engine as it serves")
     gen = {"continue_to": recipe.seq_len, "batch": recipe.gen_batch} if greedy else {}
 
     t0 = time.perf_counter()
     bar = tqdm(total=total, unit="tok", desc="target features", file=stream, dynamic_ncols=True, mininterval=1.0)
-    # the training features from the bf16 forward (a second engine over the same loaded file, freed after) or
-    # the engine's own; the held-out ones always from the engine, as the head reads them when drafting
-    # (the bf16 engine is built only when some training sequence has no shard yet)
-    def bf16_engine():
-        return Engine.from_loaded(engine.loaded, max_context=engine.max_context, device=str(engine.device), bf16=True)
+    # the training features from the bf16 forward or the packed kernels at 8-bit activations (a second engine
+    # over the same loaded file, freed after), or the engine's own; the held-out ones always from the engine,
+    # as the head reads them when drafting (the second engine is built only when some training sequence has no
+    # shard yet)
+    def second_engine():
+        options = {"bf16": True} if recipe.features == "bf16" else {"activation_bits": 8}
+        return Engine.from_loaded(engine.loaded, max_context=engine.max_context, device=str(engine.device), **options)
 
     layers = recipe.layers_for(engine.config.n_layers)
-    train_f = extract(bf16_engine if recipe.features == "bf16" else engine, corpus.train, features_dir, "train",
+    train_f = extract(engine if recipe.features == "packed" else second_engine, corpus.train, features_dir, "train",
                       bar.update, budget=recipe.tokens if greedy else None, layers=layers, **gen)
     held_f = extract(engine, corpus.heldout, features_dir, "heldout", bar.update, layers=layers, **gen)
     bar.close()
@@ -207,6 +237,9 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
         return engine.model.tok_embeddings(tokens).float()
 
     held = list(zip(held_f.tokens, held_f.feats, held_f.greedy))
+    autocast = recipe.bf16 and bf16_matmul_pays(engine.config.dim)
+    _say(stream, f"train-draft: training in {'bf16 autocast' if autocast else 'fp32'}"
+                 + ("" if autocast or not recipe.bf16 else " (this CPU's bf16 matmul is slower than its fp32)"))
     untrained = evaluate(head, held, embed)
     params = [p for n, p in head.named_parameters() if n.split(".")[0] in DraftHead.TRAINED]
     for p in params:
@@ -246,7 +279,7 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
         total, rows = 0.0, 0
         for i in plan[step]:
             toks, feats, greedy = train_f.tokens[i], train_f.feats[i].float(), train_f.greedy[i]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.bf16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss, n = sequence_loss(head, embed(toks), feats, toks, greedy, recipe.depth, recipe.reg_weight)
             if n:
                 loss.backward()
@@ -289,7 +322,7 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
         "model": path.name, "target_sha256": sha,
         "feature_seconds": round(feature_s, 1), "train_seconds": round(train_s, 1),
         "total_seconds": round(time.perf_counter() - t_start, 1),
-        "source": recipe.source, "train_tokens": n_train, "heldout_tokens": n_held, "steps": len(plan),
+        "source": recipe.source, "train_precision": "bf16" if autocast else "fp32", "train_tokens": n_train, "heldout_tokens": n_held, "steps": len(plan),
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
         "loss_by_epoch": [round(sum(losses[a:b]) / max(1, len(losses[a:b])), 4)
                           for a, b in zip([0] + epoch_ends[:-1], epoch_ends)],

@@ -59,21 +59,26 @@ def on_greedy_path(tokens: torch.Tensor, greedy: torch.Tensor, positions: torch.
     return ok
 
 
-def teacher_logits(head: DraftHead, feats: torch.Tensor) -> torch.Tensor:
+def teacher_probs(head: DraftHead, feats: torch.Tensor) -> torch.Tensor:
+    """The target's distribution over the draft vocabulary at every row of feats [T, >= D] (no gradient)."""
     with torch.no_grad():
-        return head.logits(feats)
+        return torch.softmax(head.logits(feats[:, :head.config.dim]), dim=-1)
 
 
 def sequence_loss(head: DraftHead, emb, feats, tokens, greedy, depth: int, reg_weight: float = 1.0):
-    """(loss, rows counted) of one sequence over `depth` passes."""
+    """(loss, rows counted) of one sequence over `depth` passes. Every pass's row at position i is trained
+    towards the same teacher (the target's distribution after feature i), computed once for the sequence."""
     total, rows = 0.0, 0
+    teacher = None
     for s, (positions, pred) in enumerate(chain_passes(head, emb, feats, depth), start=1):
         keep = on_greedy_path(tokens, greedy, positions, s) if s > 1 else torch.ones(len(positions), dtype=torch.bool)
         if not keep.any():
             continue
-        pred, target = pred[keep], feats[positions[keep], :head.config.dim]
-        p = torch.softmax(teacher_logits(head, target), dim=-1)
-        ce = -(p * torch.log_softmax(head.logits(pred), dim=-1)).sum(-1)
+        if teacher is None:  # pass 1 covers positions 1..T-1; deeper passes a subset of them
+            teacher = teacher_probs(head, feats[1:])
+        pos = positions[keep]
+        pred, target = pred[keep], feats[pos, :head.config.dim]
+        ce = -(teacher[pos - 1] * torch.log_softmax(head.logits(pred), dim=-1)).sum(-1)
         reg = F.smooth_l1_loss(unit_rms(pred), unit_rms(target), reduction="none").mean(-1)
         total = total + (ce + reg_weight * reg).sum()
         rows += int(keep.sum())
