@@ -30,7 +30,7 @@ class Recipe:
     epochs: int = 2
     depth: int = 3  # passes per sequence in training (drafting depth it learns)
     lr: float = 1e-3
-    batch_tokens: int = 2048  # rows per optimizer step
+    batch_tokens: int = 512  # rows per optimizer step (at least one sequence: 512 is one 768-token sequence)
     draft_vocab: int = 0  # 0: a fifth of the target's vocabulary (rounded to 256)
     ffn_dim: int = 0  # 0: the target's, at most 3x the model's width
     code_share: float = 0.3
