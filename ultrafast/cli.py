@@ -443,7 +443,8 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
              "ffn_dim": "the head's FFN width (0: the target's, at most 3x its width)",
              "code_share": "share of training tokens from standard-library Python code",
              "heldout": "held-out conversations for the report", "reg_weight": "weight of the feature loss",
-             "seed": "data order and initialisation", "bf16": "train under bf16 autocast where this CPU's bf16 matmul is the faster (1) or always in fp32 (0)",
+             "seed": "data order and initialisation",
+             "bf16": "train under bf16 autocast where this CPU's bf16 matmul is the faster (1) or always in fp32 (0)",
              "source": "text: the corpus as written; greedy: its prompts continued by the target's own greedy "
                        "tokens (what the tier verifies at temperature 0; code-share is then a share of prompts)",
              "gen_batch": "prompts continued together in batched passes (source greedy)",

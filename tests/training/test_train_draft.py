@@ -238,12 +238,14 @@ def test_int8_features_come_from_the_packed_kernels_at_8_bit_activations(smollm_
 def test_auto_features_resolve_to_a_forward_this_cpu_runs(smollm_engine):
     from ultrafast import kernels
     from ultrafast.bf16 import bf16_matmul_pays
-    from ultrafast.training import features_for
+    from ultrafast.training import choices_for, features_for
 
-    assert features_for(Recipe(features="packed"), smollm_engine) == "packed"
-    got = features_for(Recipe(), smollm_engine)
-    assert got in ("bf16", "int8")
-    if got == "int8":  # chosen only where the integer kernels take SmolLM2's types (Q4_1 among them)
-        assert kernels.linear_path(kernels.Q4_1, 8) and not bf16_matmul_pays(smollm_engine.config.dim)
-    elif not kernels.available() or not kernels.linear_path(kernels.Q4_1, 8):
-        assert got == "bf16"
+    assert features_for(Recipe(features="packed"), smollm_engine, bf16_fast=False) == "packed"
+    assert features_for(Recipe(), smollm_engine, bf16_fast=True) == "bf16"  # a bf16 multiplier: the bf16 forward
+    int8 = kernels.available() and bool(kernels.linear_path(kernels.Q4_1, 8))  # SmolLM2's types (Q4_1 among them)
+    assert features_for(Recipe(), smollm_engine, bf16_fast=False) == ("int8" if int8 else "bf16")
+    got, autocast = choices_for(Recipe(), smollm_engine)
+    assert got in ("bf16", "int8") and (got == "int8") == (int8 and not autocast)
+    assert choices_for(Recipe(bf16=False), smollm_engine)[1] is False
+    if got == "int8":
+        assert not bf16_matmul_pays(smollm_engine.config.dim)

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..engine import Engine
     from ..loader import load
     from ..pull import resolve_model
-    from ..training import Recipe, features_for
+    from ..training import Recipe, choices_for
 
     torch.set_num_threads(args.threads)
     try:
@@ -121,10 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     features = feature_rates(loaded, seqs)
     engine = Engine.from_loaded(loaded, max_context=args.seq_len + 16, device="cpu")
     training = training_rates(engine, args.seq_len, precisions)
-    from ..bf16 import bf16_matmul_pays
-
-    chosen = {"features": features_for(Recipe(), engine),
-              "training": "bf16" if bf16_matmul_pays(engine.config.dim) else "fp32"}
+    features_forward, autocast = choices_for(Recipe(), engine)
+    chosen = {"features": features_forward, "training": "bf16" if autocast else "fp32"}
     print(f"  train-draft would take: features {chosen['features']}, training {chosen['training']}", file=sys.stderr)
     result = {"model": path.name, "seq_len": args.seq_len, "sequences": args.sequences, "threads": args.threads,
               "feature_tokens_per_s": {k: round(v, 1) for k, v in features.items()},

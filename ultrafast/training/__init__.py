@@ -113,22 +113,31 @@ FEATURE_FORWARDS = {"bf16": "the bf16 forward", "int8": "the packed kernels at 8
                     "packed": "the engine's packed kernels"}
 
 
-def features_for(recipe: Recipe, engine) -> str:
+def features_for(recipe: Recipe, engine, bf16_fast: bool) -> str:
     """The training features' forward a recipe asks for; "auto": the packed kernels at 8-bit activations where
-    this CPU has integer kernels for every quantized linear of the file and no bf16 multiplier (PyTorch's bf16
-    matmul no faster than fp32; on a Zen 3 the int8 features came 2.2x as fast as the bf16 forward's for the
-    1.5B and 1.5x for SmolLM2, and trained as good a head), elsewhere the bf16 forward (with AVX512-BF16 or
-    AMX, 1.5-2x the packed 16-bit kernels)."""
+    this CPU has integer kernels for every quantized linear of the file and no bf16 multiplier (bf16_fast False:
+    PyTorch's bf16 matmul no faster than fp32; on a Zen 3 the int8 features came 2.2x as fast as the bf16
+    forward's for the 1.5B and 1.5x for SmolLM2, and trained as good a head), elsewhere the bf16 forward (with
+    AVX512-BF16 or AMX, 1.5-2x the packed 16-bit kernels)."""
     if recipe.features != "auto":
         return recipe.features
     from .. import kernels
-    from ..bf16 import bf16_matmul_pays
     from ..packed import PackedLinear
 
     qtypes = {m.qtype for m in engine.model.modules() if isinstance(m, PackedLinear)}
-    if qtypes and all(kernels.linear_path(q, 8) for q in qtypes) and not bf16_matmul_pays(engine.config.dim):
+    if qtypes and all(kernels.linear_path(q, 8) for q in qtypes) and not bf16_fast:
         return "int8"
     return "bf16"
+
+
+def choices_for(recipe: Recipe, engine) -> tuple[str, bool]:
+    """(the training features' forward, whether training runs under bf16 autocast) for a recipe on this CPU, from
+    one timing of PyTorch's bf16 matmul against fp32 on the model's width (`bf16.bf16_matmul_pays`). Autocast only
+    where bf16 is the faster: without a bf16 multiplier (a Zen 3) it trained 25-30x slower than fp32."""
+    from ..bf16 import bf16_matmul_pays
+
+    bf16_fast = bf16_matmul_pays(engine.config.dim)
+    return features_for(recipe, engine, bf16_fast), recipe.bf16 and bf16_fast
 
 
 def _say(stream: TextIO, text: str) -> None:
@@ -162,7 +171,6 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
     under $ULTRAFAST_HOME/drafts/work)."""
     from tqdm import tqdm
 
-    from ..bf16 import bf16_matmul_pays
     from ..draft_head import DraftHead, HeadConfig, file_sha256, head_path_for, heads_dir, save_head
     from ..engine import Engine
     from ..pull import resolve_model
@@ -177,7 +185,8 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
     path = resolve_model(model)
     sha = file_sha256(path)
     engine = Engine.from_path(path, max_context=recipe.seq_len + 16)
-    recipe = replace(recipe, features=features_for(recipe, engine))
+    features, autocast = choices_for(recipe, engine)
+    recipe = replace(recipe, features=features)
     work = Path(work_dir) if work_dir else heads_dir() / "work" / f"{path.stem}-{sha[:16]}"
     features_dir = work / f"features-{recipe.data_key()}"
     ckpt = work / f"train-{recipe.key()}.ckpt.pt"
@@ -237,7 +246,6 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
         return engine.model.tok_embeddings(tokens).float()
 
     held = list(zip(held_f.tokens, held_f.feats, held_f.greedy))
-    autocast = recipe.bf16 and bf16_matmul_pays(engine.config.dim)
     _say(stream, f"train-draft: training in {'bf16 autocast' if autocast else 'fp32'}"
                  + ("" if autocast or not recipe.bf16 else " (this CPU's bf16 matmul is slower than its fp32)"))
     untrained = evaluate(head, held, embed)
@@ -322,7 +330,8 @@ def train_draft(model: str, recipe: Recipe = Recipe(), *, restart: bool = False,
         "model": path.name, "target_sha256": sha,
         "feature_seconds": round(feature_s, 1), "train_seconds": round(train_s, 1),
         "total_seconds": round(time.perf_counter() - t_start, 1),
-        "source": recipe.source, "train_precision": "bf16" if autocast else "fp32", "train_tokens": n_train, "heldout_tokens": n_held, "steps": len(plan),
+        "source": recipe.source, "train_precision": "bf16" if autocast else "fp32", "train_tokens": n_train,
+        "heldout_tokens": n_held, "steps": len(plan),
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
         "loss_by_epoch": [round(sum(losses[a:b]) / max(1, len(losses[a:b])), 4)
                           for a, b in zip([0] + epoch_ends[:-1], epoch_ends)],
