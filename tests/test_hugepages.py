@@ -103,12 +103,12 @@ def test_what_the_kernels_stream_lives_in_one_region(smollm_path, path):
         engine = Engine.from_model(str(smollm_path), max_context=64)
         named = [(n, m) for n, m in engine.model.named_modules() if isinstance(m, PackedLinear)]
         lins = [m for _, m in named]
-        streamed = [m.weights(path == "vnni")[0] for m in lins]
+        streamed = [m.weights()[0] for m in lins]
         if path == "vnni":  # SmolLM2: all Q4_1, Q8_0: every one has a layout, its file bytes stay in the file
-            assert all(w is m.raw_vnni for w, m in zip(streamed, lins))  # (but the loader's permuted Q and K rows)
+            assert all(w is m.raw_layout for w, m in zip(streamed, lins))  # (but the loader's permuted Q and K rows)
             assert all(engine.loaded.in_file(m.raw) != (".wq" in n or ".wk" in n) for n, m in named)
         else:
-            assert all(w is m.raw and m.raw_vnni is None for w, m in zip(streamed, lins))
+            assert all(w is m.raw and m.raw_layout is None for w, m in zip(streamed, lins))
         assert not any(engine.loaded.in_file(w) for w in streamed)
         ptrs = sorted({(w.data_ptr(), w.nbytes) for w in streamed})
         assert ptrs[0][0] % HUGE_PAGE == 0

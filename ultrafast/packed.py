@@ -43,23 +43,27 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.qtype, self.in_features, self.out_features = int(qtype), in_features, out_features
         self.act_bits = act_bits
-        self.register_buffer("raw_vnni", None, persistent=False)  # the VNNI kernels' layout of raw, once made
-        self._vnni_of: torch.Tensor | None = None  # the raw that raw_vnni was made from
+        self.register_buffer("raw_layout", None, persistent=False)  # the kernels' own layout of raw, once made
+        self._layout_of: torch.Tensor | None = None  # the raw that raw_layout was made from
 
-    def weights(self, vnni: bool) -> tuple[torch.Tensor, int]:
-        """The bytes and type id the kernels read (vnni: whether the VNNI kernels run now): the file's, except on the
-        VNNI kernels, which read every quantized type in their own layout (`kernels.repack_vnni`: Q4_0, Q4_1, Q5_0,
-        Q8_0 and Q4_K with one fp32 step per 512 values, Q6_K without weight permutes), made once from `raw` (which
-        keeps the file's bytes for every other reader and path)."""
-        layout = kernels.vnni_layout(self.qtype) if vnni else None
+    def weights(self, layouts: bool | None = None) -> tuple[torch.Tensor, int]:
+        """The bytes and type id the kernels read: the file's, except where the kernels in force read a layout made
+        once from `raw` (`kernels.layout_in_use`: every quantized type on the VNNI kernels, `kernels.repack_vnni`:
+        Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K with one fp32 step per 512 values, Q6_K without weight permutes; Q4_K's
+        pairs of super-blocks on the AVX2 integer kernels at int8). `raw` keeps the file's bytes for every other
+        reader and path. layouts: True / False ask for the type's layout / the file's bytes whatever the path."""
+        if layouts is None:
+            layout = kernels.layout_in_use(self.qtype, self.act_bits)
+        else:
+            layout = kernels.vnni_layout(self.qtype) if layouts else None
         if layout is None:
             return self.raw, self.qtype
-        if self.raw_vnni is None or self._vnni_of is not self.raw:
-            self.raw_vnni, self._vnni_of = kernels.repack_vnni(self.raw, self.qtype, self.in_features), self.raw
-        return self.raw_vnni, layout
+        if self.raw_layout is None or self._layout_of is not self.raw:
+            self.raw_layout, self._layout_of = kernels.repack_vnni(self.raw, self.qtype, self.in_features), self.raw
+        return self.raw_layout, layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, qtype = self.weights(vnni_path())
+        w, qtype = self.weights()
         y = kernels.qmatmul(x.contiguous(), w, qtype, self.in_features, self.act_bits)
         return y if self.bias is None else y + self.bias
 
@@ -75,9 +79,9 @@ def layout_copy_bytes(model: nn.Module) -> int:
     model holds in memory; the file's bytes of those linears stay in the file's mapping."""
     seen, total = set(), 0
     for m in model.modules():
-        if isinstance(m, PackedLinear) and m.raw_vnni is not None and m.raw_vnni.data_ptr() not in seen:
-            seen.add(m.raw_vnni.data_ptr())
-            total += m.raw_vnni.numel()
+        if isinstance(m, PackedLinear) and m.raw_layout is not None and m.raw_layout.data_ptr() not in seen:
+            seen.add(m.raw_layout.data_ptr())
+            total += m.raw_layout.numel()
     return total
 
 
@@ -112,7 +116,7 @@ class FusedBlock(nn.Module):
         self.tp = tp  # tensor parallelism (tensor_parallel.py): the layer runs as two halves, all-reduced
         lin = [block.get_submodule(n) for n in self.LINEARS]
         self._lin = lin
-        self._weights_seen = None  # (vnni, the linears' raw tensors, weights()): see weights()
+        self._weights_seen = None  # (path, the linears' raw tensors, weights()): see weights()
         self.act_bits = lin[0].act_bits
         self.biases = [m.bias for m in lin[:3]] if lin[0].bias is not None else []
         # the norms' weights and eps, read per pass (plain attributes: a module attribute lookup costs ~1 us)
@@ -120,20 +124,20 @@ class FusedBlock(nn.Module):
         att = block.attention
         self.n_heads, self.n_kv_heads, self.head_dim, self.scale = att.n_heads, att.n_kv_heads, att.head_dim, att.scale
 
-    def weights(self, vnni: bool | None = None) -> tuple[list[torch.Tensor], list[int]]:
-        """The linears' bytes and type ids for the path in use (`PackedLinear.weights`; vnni: whether it is the
-        VNNI kernels', asked if not given). Kept from the last call while the path and every linear's `raw` are the
-        same objects (a decode step asks once per layer), so that rebinding their bytes or changing the path is
-        seen."""
-        vnni = vnni_path() if vnni is None else vnni
+    def weights(self, path: str | None = None) -> tuple[list[torch.Tensor], list[int]]:
+        """The linears' bytes and type ids for the path in use (`PackedLinear.weights`; path: `kernels.path_in_use()`,
+        asked if not given: with the linears' types and activation width it decides which layouts are read). Kept
+        from the last call while the path and every linear's `raw` are the same objects (a decode step asks once per
+        layer), so that rebinding their bytes or changing the path is seen."""
+        path = kernels.path_in_use() if path is None else path
         # (the buffers' dict: `m.raw` goes through nn.Module.__getattr__, ~0.7 us, and a pass asks for 196 of them)
         raws = [m._buffers["raw"] for m in self._lin]
         seen = self._weights_seen
-        if seen is not None and seen[0] == vnni and all(a is b for a, b in zip(seen[1], raws)):
+        if seen is not None and seen[0] == path and all(a is b for a, b in zip(seen[1], raws)):
             return seen[2]
-        w = [m.weights(vnni) for m in self._lin]
+        w = [m.weights() for m in self._lin]
         out = [b for b, _ in w], [q for _, q in w]
-        self._weights_seen = (vnni, raws, out)
+        self._weights_seen = (path, raws, out)
         return out
 
     @staticmethod
@@ -178,12 +182,12 @@ class FusedStack:
         """x through layers `ids` (in order) for the sequences' rows (starts, lens, caches as in forward_multi);
         keep: positions in ids after which x is also returned; share: rows the sequences' caches hold alike
         (`kernels.decoder_block`). Returns (x, kept)."""
-        vnni = vnni_path()
+        path = kernels.path_in_use()
         layers = list(self.layers)
         blocks = [layers[i] for i in ids]
         an, fn, ws, qts, bs, kcs, vcs = [], [], [], [], [], [], []
         for i, b in zip(ids, blocks):
-            raws, qtypes = b.weights(vnni)
+            raws, qtypes = b.weights(path)
             an.append(b.norms[0])
             fn.append(b.norms[1])
             ws += raws
@@ -197,18 +201,19 @@ class FusedStack:
                                      None if tree is None else tree.kernel_args, keep, share)
 
 
-def _place_on_hugepages(lins: list[PackedLinear], vnni: bool, release=None) -> None:
+def _place_on_hugepages(lins: list[PackedLinear], release=None) -> None:
     """What the kernels stream every step, in one mapping on huge pages (`hugepages.py`: a decode step reads all of it),
-    made now, at load: on the VNNI kernels each linear's own layout (`PackedLinear.weights`), made from the file's bytes,
-    which stay where they are (`raw`: the file's mapping, for the rare readers); on the other paths a copy of the file's
-    bytes, which becomes `raw`. Either way one copy of each linear in memory (a layout has the file's bytes per row).
-    release(t): called with each linear's file bytes once they are placed (`LoadedModel.release_file_pages`), so that
-    the file's pages leave the process a linear at a time rather than all after the last."""
+    made now, at load: where the kernels in force read a layout of their own (`PackedLinear.weights`), that layout,
+    made from the file's bytes, which stay where they are (`raw`: the file's mapping, for the rare readers); elsewhere
+    a copy of the file's bytes, which becomes `raw`. Either way one copy of each linear in memory (a layout has the
+    file's bytes per row). release(t): called with each linear's file bytes once they are placed
+    (`LoadedModel.release_file_pages`), so that the file's pages leave the process a linear at a time rather than all
+    after the last."""
     homes = empty_on_hugepages([m.raw for m in lins])
     for m, home in zip(lins, homes):
-        if vnni and kernels.vnni_layout(m.qtype) is not None:
+        if kernels.layout_in_use(m.qtype, m.act_bits) is not None:
             kernels.repack_vnni(m.raw, m.qtype, m.in_features, out=home)
-            m.raw_vnni, m._vnni_of = home, m.raw
+            m.raw_layout, m._layout_of = home, m.raw
             placed = m.raw
         else:
             home.copy_(m.raw)
@@ -222,7 +227,6 @@ def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16
     then (fuse) each decoder layer with a single-call fused layer over the same packed weights. act_bits: the
     precision of the quantized linears' activations (16, or 8: llama.cpp's)."""
     tensors, c = loaded.tensors, loaded.config
-    vnni = vnni_path()
     lins = []
     for name, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear):
@@ -241,7 +245,7 @@ def apply_packed(model: nn.Module, loaded, fuse: bool = True, act_bits: int = 16
             swap_module(model, name, KernelRMSNorm(tensors[f"{name}.weight"].dequantize(), mod.eps))
         elif isinstance(mod, AttentionCore):
             swap_module(model, name, KernelAttentionCore())
-    _place_on_hugepages(lins, vnni, loaded.release_file_pages)
+    _place_on_hugepages(lins, loaded.release_file_pages)
     loaded.release_file_pages()  # the rest (read once for the copies above); not streamed from here on
     if fuse:
         for i, block in enumerate(model.layers):

@@ -8,8 +8,8 @@ def test_rebinds_what_the_kernels_stream_and_restores_it(smollm_path, capsys, mo
     seen = []
     real = PackedLinear.weights
 
-    def spy(self, vnni):
-        w = real(self, vnni)
+    def spy(self, layouts=None):
+        w = real(self, layouts)
         seen.append(w[0].data_ptr())
         return w
 

@@ -593,6 +593,35 @@ def test_avx2_int8_activations_batch_invariant(avx2_int8, qtype):
         assert torch.equal(uk.qmatmul(x[:16], raw, qtype, k_in, act_bits=8), singles[:16])
 
 
+@pytest.mark.parametrize("qtype,layout", [(uk.Q4_K, uk.Q4_K_R2), (uk.Q6_K, uk.Q6_K_R16)], ids=["Q4_K", "Q6_K"])
+def test_avx2_int8_reads_the_k_quants_in_lanes(avx2_int8, qtype, layout):
+    """At int8 the AVX2 integer kernels read Q4_K and Q6_K in the VNNI kernels' layouts made at load (Q4_K's pairs of
+    super-blocks: a sub-block per int32 lane; Q6_K a scale group per lane): the exact product of the rounded x again
+    (Q4_K: an odd last super-block in the file's layout), batch-invariant; at 16 bits the file's bytes."""
+    assert uk.layout_in_use(qtype, 8) == layout and uk.linear_path(layout, 8) == "avx2-int8"
+    assert uk.layout_in_use(qtype, 16) is None and uk.layout_in_use(uk.Q8_0, 8) is None
+    for i, k in enumerate((256, 512, 1280, 4608)):  # Q4_K: one super-block (no pair), a pair, two and one, 9 pairs
+        raw = random_weight(qtype, 29, k, seed=40 + i)
+        w = dequant(raw, qtype, k).double()
+        lanes = uk.repack_vnni(torch.from_numpy(raw), qtype, k)
+        x = torch.randn(37, k, generator=torch.Generator().manual_seed(i))
+        x[1, :256] = 0.0
+        x[2, -256:] *= 1e-3
+        y = uk.qmatmul(x, lanes, layout, k, act_bits=8)
+        ref = _round_int8(x, 256) @ w.T
+        scale = x.double().abs() @ w.abs().T
+        assert ((y.double() - ref).abs() <= 2e-6 * scale + 1e-30).all(), f"K={k}"
+        singles = torch.cat([uk.qmatmul(x[j:j + 1], lanes, layout, k, act_bits=8) for j in range(37)])
+        for rows in (2, 5, 6, 7, 10, 16, 37):
+            assert torch.equal(uk.qmatmul(x[:rows], lanes, layout, k, act_bits=8), singles[:rows]), (k, rows)
+    x = torch.randn(3, 512)
+    x[0, 7] = float("nan")
+    x[1, 300] = float("inf")
+    lanes = uk.repack_vnni(torch.from_numpy(random_weight(qtype, 4, 512, seed=1)), qtype, 512)
+    y = uk.qmatmul(x, lanes, layout, 512, act_bits=8)
+    assert not y[:2].isfinite().any() and y[2].isfinite().all()
+
+
 def test_act_bits_errors():
     raw = torch.from_numpy(random_weight(uk.Q8_0, 4, 64, seed=0))
     x = torch.randn(2, 64)

@@ -17,7 +17,7 @@ import time
 import torch
 
 from ..hugepages import huge_bytes
-from ..packed import PackedLinear, vnni_path
+from ..packed import PackedLinear
 
 
 def step_ms(engine, cache, pos: int, steps: int) -> float:
@@ -45,13 +45,12 @@ def main(argv=None) -> int:
     mods = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
     if not mods:
         ap.error(f"{args.model}: no packed weights (the CPU kernels did not build?)")
-    vnni = vnni_path()
-    huge = [m.weights(vnni)[0] for m in mods]  # what the kernels stream: the layouts (VNNI) or the file's bytes
+    huge = [m.weights()[0] for m in mods]  # what the kernels stream: their layouts or the file's bytes
     plain = [r.clone() for r in huge]  # ordinary allocations
 
     def bind(m, r):  # the kernels read r from now on
-        if m.raw_vnni is not None:
-            m.raw_vnni = r  # (`_vnni_of` stays `raw`: the layout is not made again)
+        if m.raw_layout is not None:
+            m.raw_layout = r  # (`_layout_of` stays `raw`: the layout is not made again)
         else:
             m.raw = r
     cache = engine.new_cache()

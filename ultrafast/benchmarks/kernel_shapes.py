@@ -11,7 +11,8 @@ layer's copy only, called as many times (its bytes stay in the caches after the 
 agree, the kernel is bound by its own instructions, not by the memory; the weight stream's GB/s and, on the
 VNNI path, the share of the multiply peak (`kernels.multiply_peak`, measured in the same run) say how far it is
 from either limit. The LM head (`output`) is one matrix far larger than the caches: from memory only. Best of --reps
-per figure. --vs-file-layout (VNNI path) also times, from memory, each linear on
+per figure. --vs-file-layout (where the kernels read layouts of their own: every quantized type on the VNNI path, Q4_K
+at --activation-bits 8 on the AVX2 integer kernels) also times, from memory, each linear on
 the file's bytes where the kernels read their own layout of them (`PackedLinear.weights`), its sweeps taking turns
 with the layout's in the same process: the layouts' gain, free of the minute-to-minute drift between two runs.
 """
@@ -26,7 +27,7 @@ import time
 import torch
 
 from .. import kernels
-from ..packed import PackedLinear, vnni_path
+from ..packed import PackedLinear
 
 
 def best_per_call(mods: list[PackedLinear], k: int, reps: int, file_layout: bool = False) -> list[float]:
@@ -34,8 +35,7 @@ def best_per_call(mods: list[PackedLinear], k: int, reps: int, file_layout: bool
     read on the path in use (`PackedLinear.weights`), and (file_layout) on the file's bytes, the two sweeps taking
     turns: one figure per kind of bytes."""
     x = torch.randn(k, mods[0].in_features)
-    vnni = vnni_path()
-    kinds = [[m.weights(vnni) for m in mods]] + ([[(m.raw, m.qtype) for m in mods]] if file_layout else [])
+    kinds = [[m.weights() for m in mods]] + ([[(m.raw, m.qtype) for m in mods]] if file_layout else [])
     best = [float("inf")] * len(kinds)
     for ws in kinds:
         kernels.qmatmul(x, *ws[0], mods[0].in_features, mods[0].act_bits)  # threads up, x's buffers
@@ -69,8 +69,9 @@ def run(model: str, ks: list[int], reps: int = 5, threads: int = 2, activation_b
         raise ValueError(f"{model}: no packed weights (the CPU kernels did not build?)")
     info = engine.describe()
     vnni = "vnni" in info["kernels"]
-    if vs_file_layout and not vnni:
-        raise ValueError("--vs-file-layout compares the VNNI kernels' layouts; this path reads the file's bytes")
+    if vs_file_layout and all(m.weights()[1] == m.qtype for ms in mats.values() for m in ms):
+        raise ValueError("--vs-file-layout compares the kernels' own layouts with the file's; the kernels in use read "
+                         "the file's bytes of every linear here")
     head = engine.model.output
     if isinstance(head, PackedLinear):  # the LM head: one matrix, far larger than the caches (no cached figure)
         mats["output"] = [head]
@@ -81,7 +82,7 @@ def run(model: str, ks: list[int], reps: int = 5, threads: int = 2, activation_b
         for k in ks:
             memory = best_per_call(mods, k, reps, vs_file_layout)
             cached = best_per_call([m] * len(mods), k, reps)[0] if name != "output" else None
-            rows.append({"linear": name.split(".")[-1], "qtype": m.qtype, "qtype_read": m.weights(vnni_path())[1],
+            rows.append({"linear": name.split(".")[-1], "qtype": m.qtype, "qtype_read": m.weights()[1],
                          "out": m.out_features, "in": m.in_features, "act_bits": m.act_bits, "k": k,
                          "memory_ms": memory[0] * 1e3, "cached_ms": cached * 1e3 if cached is not None else None,
                          "memory_gb_s": m.raw.numel() / memory[0] / 1e9,

@@ -32,6 +32,9 @@ stderr) and later processes reuse the build. The kernel path is chosen at runtim
     "avx512-fp32"  AVX-512 fp32 path (dequantize-in-register + FMA), ~1e-6 of sum(|x|*|w|).
     "avx2-fp32"    the same scheme in 8-lane AVX2 + FMA registers, for CPUs without AVX-512 (Zen 1-3, most
                    Intel client parts); every type.
+    "avx2-int8"    with act_bits=8 where VNNI is not in use: x rounded to int8 (per super-block of 256 for Q4_K
+                   and Q6_K, per block of 32 for the others) and multiplied exactly with vpmaddubsw; Q4_K is read
+                   in the VNNI kernels' pairs of super-blocks (`layout_in_use`), one sub-block per int32 lane.
     "scalar"       portable path with the same math as avx512-fp32, for other CPUs.
 
 Each path is batch-invariant on its own (bit-identical per row whatever k and the threads); the paths
@@ -58,7 +61,7 @@ __all__ = [
     "qmatmul", "rmsnorm", "attention", "available", "load", "block_info", "row_bytes",
     "avx512_active", "vnni_supported", "linear_path", "set_force_scalar", "KernelBuildError", "decoder_block", "decoder_stack", "silu_mul", "path_in_use", "set_kernels_path",
     "multiply_peak", "MultiplyPeak", "fma_peak", "int8_madd_peak", "paired_macs", "PAIRED_LAYOUTS", "Q4_0_R16", "Q4_1_R16", "Q5_0_R16", "Q8_0_R16", "Q4_K_R2", "Q6_K_R16",
-    "repack_vnni", "vnni_layout", "sample_row",
+    "repack_vnni", "vnni_layout", "layout_in_use", "sample_row",
 ]
 
 # GGML type ids (gguf.GGMLQuantizationType)
@@ -71,8 +74,8 @@ _BLOCKS = {
     Q4_K: (256, 144), Q6_K: (256, 210),
 }
 SUPPORTED_TYPES = frozenset(_BLOCKS)
-# Not GGML types: the VNNI kernels' own layouts of a type's bytes (`repack_vnni`), each id its type's + 100; only
-# that path reads them. Q4_K in pairs of super-blocks; the 32-value-block types 16 blocks a group; Q6_K one scale
+# Not GGML types: the VNNI kernels' own layouts of a type's bytes (`repack_vnni`), each id its type's + 100; that
+# path reads them all, the AVX2 integer one Q4_K_R2 (`layout_in_use`). Q4_K in pairs of super-blocks; the 32-value-block types 16 blocks a group; Q6_K one scale
 # group of 16 per lane.
 Q4_0_R16, Q4_1_R16, Q5_0_R16, Q8_0_R16, Q4_K_R2, Q6_K_R16 = 102, 103, 106, 108, 112, 114
 
@@ -324,8 +327,9 @@ def fma_peak(threads: int | None = None, iters: int = 10_000_000, reps: int = 3)
 
 def int8_madd_peak(threads: int | None = None, iters: int = 10_000_000, reps: int = 3) -> float | None:
     """Measure the multiply limit of the AVX2 integer kernels (`avx2-int8`) on `threads` threads together (default:
-    torch's thread count): int8 multiply-adds per second, best of `reps` runs of 6 independent chains of (vpmaddubsw,
-    vpmaddwd by a scale, vpaddd), 32 multiply-adds a step, `iters` steps per thread. None without AVX2."""
+    torch's thread count): int8 multiply-adds per second, best of `reps` runs of 6 independent chains of the lanes'
+    arithmetic (vpmaddubsw, its int16 pairs summed by vpaddw, a vpmaddwd by the scales and a vpaddd per 8 of them),
+    32 multiply-adds a vpmaddubsw, 12 * `iters` of them per thread. None without AVX2."""
     threads = torch.get_num_threads() if threads is None else int(threads)
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
@@ -367,6 +371,16 @@ def qmatmul(x: torch.Tensor, w: torch.Tensor, qtype: int, in_features: int, act_
 def vnni_layout(qtype: int) -> int | None:
     """The type id of the VNNI kernels' own layout of `qtype` (`repack_vnni`), or None where they read the file's."""
     layout = _ext_or_load().vnni_layout(int(qtype))
+    return None if layout < 0 else layout
+
+
+def layout_in_use(qtype: int, act_bits: int = 16) -> int | None:
+    """The type id of the layout made at load (`repack_vnni`) that the kernels in force read for a linear of `qtype`
+    with act_bits-bit activations, or None where they read the file's bytes: every quantized type's on the VNNI
+    kernels, Q4_K's pairs of super-blocks on the AVX2 integer ones (int8 activations)."""
+    if not available():
+        return None
+    layout = load().layout_in_use(int(qtype), int(act_bits))
     return None if layout < 0 else layout
 
 

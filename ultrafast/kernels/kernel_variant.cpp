@@ -73,7 +73,10 @@ const char* path_in_use() {
 const LinearOps* linear_ops(int qt, bool x8) {
   TypeInfo ti;
   if (!type_info(qt, &ti)) return nullptr;
-  if (is_vnni_layout(qt)) return vnni_in_use() ? &kVnni : nullptr;  // layouts only the VNNI kernels read
+  if (is_vnni_layout(qt)) {  // the layouts made at load: the VNNI kernels read them all, the AVX2 integer ones some
+    if (vnni_in_use()) return &kVnni;
+    return x8 && fp32_ops() != nullptr && avx2_cpu() && qmm_avx2_int8_supports(qt) ? &kAvx2Int8 : nullptr;
+  }
   if (qmm_vnni_supports(qt) && vnni_in_use()) return &kVnni;
   if (x8 && qmm_vnni_supports(qt)) {  // int8 activations: the VNNI kernels, else the AVX2 integer ones
     const bool avx2 = fp32_ops() != nullptr && avx2_cpu();
@@ -81,6 +84,12 @@ const LinearOps* linear_ops(int qt, bool x8) {
   }
   const LinearOps* f = fp32_ops();
   return f != nullptr ? f : &kScalar;
+}
+
+int layout_in_use(int qt, bool x8) {
+  const int layout = vnni_layout(qt);
+  if (layout < 0) return -1;
+  return linear_ops(layout, x8) != nullptr && linear_ops(layout, x8) == linear_ops(qt, x8) ? layout : -1;
 }
 
 AttentionOp attention_op(int64_t hd) {

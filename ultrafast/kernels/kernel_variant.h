@@ -56,6 +56,10 @@ bool avx512_in_use();       // the AVX-512 kernels (fp32 linears, attention) are
 // The ops for a linear of GGML type qt (x8: int8 activations) under the path in force; nullptr when the
 // type is unknown, or x8 is asked of a path without int8 activations.
 const LinearOps* linear_ops(int qt, bool x8);
+// The layout made at load (qmm_repack_vnni) that the ops in force for a linear of file type qt read (x8: int8
+// activations), or -1 where they read the file's bytes: every quantized type's on the VNNI kernels; Q4_K's pairs of
+// super-blocks on the AVX2 integer ones.
+int layout_in_use(int qt, bool x8);
 AttentionOp attention_op(int64_t hd);
 GatedActOp silu_mul_op();
 

@@ -575,6 +575,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return std::string(ops != nullptr ? ops->name : "");
         }, "the kernels a linear of this type and activation width runs on now ('' where none does)",
         py::arg("qtype"), py::arg("act_bits"));
+  m.def("layout_in_use", [](int64_t qtype, int64_t act_bits) { return ultrafast::layout_in_use((int)qtype, act_bits == 8); },
+        "the type id of the layout made at load (repack_vnni) that the kernels in force read for a linear of this type and "
+        "activation width, -1 where they read the file's bytes", py::arg("qtype"), py::arg("act_bits"));
   m.def("path_in_use", []() { return std::string(ultrafast::path_in_use()); },
         "vnni-int16, avx512-fp32, avx2-fp32 or scalar");
   m.def("set_kernels_path", &ultrafast::set_kernels_path, "auto, vnni (= auto), fp32, avx2 or scalar; process-wide");
@@ -583,7 +586,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("avx2_fma_peak", &ultrafast::avx2_fma_peak, "8-lane FMA per second on `threads` threads (0: no AVX2)",
         py::arg("threads"), py::arg("iters") = 10000000, py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
   m.def("avx2_madd_peak", &ultrafast::avx2_madd_peak,
-        "(vpmaddubsw, vpmaddwd, vpaddd) steps per second on `threads` threads (0: no AVX2)", py::arg("threads"),
+        "vpmaddubsw per second (summed by vpaddw, a vpmaddwd per 8) on `threads` threads (0: no AVX2)", py::arg("threads"),
         py::arg("iters") = 10000000, py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
   m.def("vnni_product_peak", &ultrafast::vnni_product_peak,
         "128-value products per second with the kernels' arithmetic on `threads` threads (0: no VNNI)",

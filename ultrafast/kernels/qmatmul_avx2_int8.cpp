@@ -1,7 +1,13 @@
 // AVX2 integer kernels for 8-bit activations: the "avx2-int8" linear ops, for CPUs without AVX-512 (Zen 1-3, most
 // Intel client parts), where the fp32 kernels (qmatmul_avx2.cpp) convert every weight to float and multiply in fp32.
 // Types: every quantized type in the file's layout: Q4_K and Q6_K (the Qwen2.5-Coder files' linears), and the
-// 32-value block types Q4_0, Q4_1, Q5_0, Q8_0 (SmolLM2's, the 0.5B's, a draft head's Q8_0 linears).
+// 32-value block types Q4_0, Q4_1, Q5_0, Q8_0 (SmolLM2's, the 0.5B's, a draft head's Q8_0 linears); and Q4_K and Q6_K in
+// the VNNI kernels' layouts made at load (QT_Q4_K_R2, QT_Q6_K_R16), which the engine gives these kernels
+// (kernel_variant.cpp: layout_in_use): one sub-block / scale group per int32 lane, so a row's products add as int16
+// before one vpmaddwd by the lanes' scales (Q4K2, Q6KR below). The 1.5B's linears at k = 10 and 16, 2 threads, Zen 3
+// (`python -m ultrafast.benchmarks.kernel_shapes --model qwen2.5-coder-1.5b --ks 1,4,10,16 --activation-bits 8
+// --vs-file-layout`): the Q4_K ones 0.74-0.87 of the file layout's time, the LM head (Q6_K) 0.90 / 0.77; k = 1 the same
+// or a little faster.
 //
 // Numerics of Q4_K and Q6_K (llama.cpp's for these types on AVX2: its Q8_K activations): each activation row is
 // quantized once per call, per super-block of 256 values, to int8: s = max|x| / 127, q_i = rint(x_i / s) (q = 0
@@ -58,6 +64,7 @@ namespace {
 // A prepared super-block (XSB bytes, rows ldx = nsb * XSB apart): int8 q[256] at 0; at XS, 8 floats s * (sum of q
 // over sub-block j of 32); at BS, 16 int16 sums of q over each scale group of 16; at S, the float s.
 constexpr int64_t SBV = 256, XSB = 384, XS = 256, BS = 288, S = 320;
+constexpr int RMAX2 = 6;  // the pairs: their int16 sums and accumulators both in registers
 constexpr int RMAX = 8;  // activation rows a tile of the K-quants (their integer sums in registers, their accumulators as
                          // they fall); the block types take up to 2 * RMAX (their weights in lanes, made once a tile)
 
@@ -70,7 +77,11 @@ UF_INLINE float int8_scale(__m256 mx, __m256 nan) {
   return _mm256_movemask_ps(nan) ? __builtin_nanf("") : _mm_cvtss_f32(m4) / 127.0f;
 }
 
-void prep_row(const float* x, int64_t K, uint8_t* out) {
+// layout QT_Q4_K_R2: the first K / 512 * 2 super-blocks' q in the lane order of Q4_K's pairs: vector v (32 bytes),
+// int32 lane l holds values 4v..4v+3 of sub-block l (an 8 x 8 transpose of the 32-bit pieces); the rest in value order.
+// QT_Q6_K_R16: every super-block's q in its lane order: vector 4h + v, int32 lane l holds values 4v..4v+3 of scale
+// group 8h + l (h = 0, 1; v = 0..3). Otherwise value order.
+void prep_row(const float* x, int64_t K, uint8_t* out, int layout = 0) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < K / SBV; ++b) {
@@ -100,6 +111,19 @@ void prep_row(const float* x, int64_t K, uint8_t* out) {
     }
     for (int j = 0; j < 8; ++j) xs[j] = s * (float)(bs[2 * j] + bs[2 * j + 1]);
     __builtin_memcpy(o + S, &s, 4);
+    if ((layout == QT_Q4_K_R2 && b < K / 512 * 2) || layout == QT_Q6_K_R16) {
+      uint32_t t[64];  // t[8 l + v]: values 4v..4v+3 of sub-block l (Q4_K) / of groups 2l, 2l + 1 (Q6_K: v < 4, >= 4)
+      __builtin_memcpy(t, o, 256);
+      uint32_t* d = reinterpret_cast<uint32_t*>(o);
+      if (layout == QT_Q4_K_R2) {
+        for (int v = 0; v < 8; ++v)
+          for (int l = 0; l < 8; ++l) d[8 * v + l] = t[8 * l + v];
+      } else {  // value 16 g + 4 v + j is t[4 g + v]'s byte j
+        for (int h = 0; h < 2; ++h)
+          for (int v = 0; v < 4; ++v)
+            for (int l = 0; l < 8; ++l) d[8 * (4 * h + v) + l] = t[4 * (8 * h + l) + v];
+      }
+    }
   }
 }
 
@@ -214,6 +238,57 @@ struct Q4K {
   }
 };
 
+// Q4_K in the VNNI kernels' pairs of super-blocks (QT_Q4_K_R2, made at load by qmm_repack_vnni; qmatmul_vnni.cpp's
+// KQ4K2): 288 bytes, the two 16-byte headers as in the file, then 4 chunks u of 64 bytes whose first 32 bytes hold
+// super-block 0's nibbles and the other 32 super-block 1's: byte 4l + j holds value 8u + j of sub-block l (low nibble,
+// weight vector 2u) and 8u + 4 + j (high, vector 2u + 1). One sub-block per int32 lane, so a row's 8 products of a
+// super-block add as int16 (at most 8 * 2 * 15 * 127 = 30480: exact) and one vpmaddwd by the lanes' scales widens them:
+// 9 multiplies per 256 values and row where the file's layout takes 16 (its sub-blocks span whole vectors).
+struct Q4K2 {
+  static constexpr int64_t BYTES = 288;
+  template <int R>
+  static UF_INLINE void half(const uint8_t* p, int h, const uint8_t* xb, int64_t ldx, __m256* acc) {
+    const uint8_t* hd = p + 16 * h;
+    uint32_t s0, s1, s2;
+    __builtin_memcpy(&s0, hd + 4, 4);
+    __builtin_memcpy(&s1, hd + 8, 4);
+    __builtin_memcpy(&s2, hd + 12, 4);
+    const uint32_t u0 = s0 & 0x3f3f3f3fu;  // ggml get_scale_min_k4
+    const uint32_t u1 = (s2 & 0x0f0f0f0fu) | (((s0 >> 6) & 0x03030303u) << 4);
+    const uint32_t u2 = s1 & 0x3f3f3f3fu;
+    const uint32_t u3 = ((s2 >> 4) & 0x0f0f0f0fu) | (((s1 >> 6) & 0x03030303u) << 4);
+    const __m256i sc32 = _mm256_cvtepu8_epi32(_mm_setr_epi32((int)u0, (int)u1, 0, 0));
+    const __m256i scw = _mm256_or_si256(sc32, _mm256_slli_epi32(sc32, 16));  // sc_l in both words of lane l
+    const __m256i m0f = _mm256_set1_epi8(0x0F);
+    __m256i sum[R];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      const __m256i Q = load256(p + 32 + 64 * u + 32 * h);
+#pragma GCC unroll 2
+      for (int hi = 0; hi < 2; ++hi) {
+        const int v = 2 * u + hi;
+        const __m256i w = _mm256_and_si256(hi ? _mm256_srli_epi16(Q, 4) : Q, m0f);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256i t = _mm256_maddubs_epi16(w, load256(xb + r * ldx + 32 * v));
+          sum[r] = v == 0 ? t : _mm256_add_epi16(sum[r], t);
+          __asm__("" : "+x"(sum[r]));
+        }
+      }
+    }
+    const __m256 d = _mm256_set1_ps(h2f(hd));
+    const __m256 dm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)u2, (int)u3, 0, 0))),
+                                    _mm256_set1_ps(h2f(hd + 2)));  // dmin * m_l on lane l
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* x = xb + r * ldx;
+      const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + S)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], scw)), t, acc[r]);
+      acc[r] = _mm256_fnmadd_ps(dm, _mm256_loadu_ps(reinterpret_cast<const float*>(x + XS)), acc[r]);
+    }
+  }
+};
+
 // Q6_K (210 bytes: ql[128], qh[64], 16 int8 scales, d). Half h (values 128h..128h+127) reads ql + 64h and qh + 32h:
 // value 128h + 32c + l (l < 32) is (ql[l + 32 (c & 1)] >> 4 (c >> 1)) & 15 | ((qh[l] >> 2c) & 3) << 4; scale group
 // of value i: i / 16, so weight vector m = 4h + c holds groups 2m (its low lane) and 2m + 1 (its high lane).
@@ -255,6 +330,56 @@ struct Q6K {
       const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, load256(x + BS)), 5);
       const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + S)));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r], off)), t, acc[r]);
+    }
+  }
+};
+
+// Q6_K in the VNNI kernels' layout (QT_Q6_K_R16, made at load by qmm_repack_vnni; qmatmul_vnni.cpp's KQ6KR): 210
+// bytes, one scale group of 16 values per int32 lane of a 64-byte chunk, whose first 32 bytes hold groups 0..7 (half
+// h = 0) and the other 32 groups 8..15: the low nibbles in chunks 0 and 1 (byte 4l + j of chunk c: value 8c + j of
+// the group in its low nibble, 8c + 4 + j in its high one: weight vectors 2c, 2c + 1), the high two bits in chunk 2
+// (byte 4l + j, bits 2v..2v + 1: value 4v + j), then the 16 int8 scales in group order and d. A weight vector's int16
+// pair sums (at most 2 * 63 * 127) add two at a time, exact, before one vpmaddwd by the lanes' scales: 12 multiplies
+// per 256 values and row where the file's layout takes 16, and no scale shuffles. The -32 offset as in Q6K.
+struct Q6KR {
+  static constexpr int64_t BYTES = 210;
+  template <int R>
+  static UF_INLINE void super_block(const uint8_t* p, const uint8_t* xb, int64_t ldx, __m256* acc) {
+    const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m128i sc8 = load128(p + 192);
+    __m256i isum[R];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i sc32 = _mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc8, 8) : sc8);
+      const __m256i scw = _mm256_blend_epi16(sc32, _mm256_slli_epi32(sc32, 16), 0xAA);  // sc in both words of a lane
+      const __m256i H = load256(p + 128 + 32 * h);
+#pragma GCC unroll 2
+      for (int c = 0; c < 2; ++c) {
+        const __m256i L = load256(p + 64 * c + 32 * h);
+        // vectors 2c and 2c + 1: the high bits of value 4v + j at bits 2v..2v + 1 of H, moved to bits 4..5
+        const __m256i ha = c ? H : _mm256_slli_epi16(H, 4);
+        const __m256i hb = c ? _mm256_srli_epi16(H, 2) : _mm256_slli_epi16(H, 2);
+        const __m256i wa = _mm256_or_si256(_mm256_and_si256(L, m0f), _mm256_and_si256(ha, m30));
+        const __m256i wb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L, 4), m0f), _mm256_and_si256(hb, m30));
+        const int v = 4 * h + 2 * c;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* x = xb + r * ldx + 32 * v;
+          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(wa, load256(x)), _mm256_maddubs_epi16(wb, load256(x + 32)));
+          const __m256i m = _mm256_madd_epi16(t, scw);
+          isum[r] = v == 0 ? m : _mm256_add_epi32(isum[r], m);
+          __asm__("" : "+x"(isum[r]));
+        }
+      }
+    }
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+    const __m256 d = _mm256_set1_ps(h2f(p + 208));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* x = xb + r * ldx;
+      const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, load256(x + BS)), 5);
+      const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + S)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], off)), t, acc[r]);
     }
   }
 };
@@ -382,10 +507,10 @@ struct Q8_0B {  // d, 32 int8
 };
 
 // Every linear's tile: one weight row against R activation rows, with the R accumulators in registers. T::row<R>.
-template <class T>
-struct SuperBlocks {  // Q4_K, Q6_K: units of 256 values
+template <class T, int ROWS_ = RMAX>
+struct SuperBlocks {  // Q4_K, Q6_K (and Q6_K_R16): units of 256 values
   static constexpr int64_t VALUES = SBV;
-  static constexpr int ROWS = RMAX;
+  static constexpr int ROWS = ROWS_;
   template <int R>
   __attribute__((noinline)) static void row(const uint8_t* __restrict p, int64_t nsb, const uint8_t* __restrict xg,
                                             int64_t ldx, float* y, int64_t ldy) {
@@ -393,6 +518,26 @@ struct SuperBlocks {  // Q4_K, Q6_K: units of 256 values
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) T::template super_block<R>(p + b * T::BYTES, xg + b * XSB, ldx, acc);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]);
+  }
+};
+
+struct Q4KPairs {  // QT_Q4_K_R2: units of 256 values, in pairs; an odd last super-block in the file's layout
+  static constexpr int64_t VALUES = SBV;
+  static constexpr int ROWS = RMAX2;
+  template <int R>
+  __attribute__((noinline)) static void row(const uint8_t* __restrict p, int64_t nsb, const uint8_t* __restrict xg,
+                                            int64_t ldx, float* y, int64_t ldy) {
+    __m256 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const int64_t np = nsb / 2;
+    for (int64_t P = 0; P < np; ++P) {
+      Q4K2::half<R>(p + P * Q4K2::BYTES, 0, xg + 2 * P * XSB, ldx, acc);
+      Q4K2::half<R>(p + P * Q4K2::BYTES, 1, xg + (2 * P + 1) * XSB, ldx, acc);
+    }
+    if (nsb % 2) Q4K::super_block<R>(p + np * Q4K2::BYTES, xg + 2 * np * XSB, ldx, acc);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]);
   }
@@ -519,21 +664,33 @@ void rows_impl(const uint8_t* xg, int64_t k, int64_t K, int64_t ldx, const uint8
   }
 }
 
-bool super_block_type(int qtype) { return qtype == QT_Q4_K || qtype == QT_Q6_K; }
+bool super_block_type(int qtype) {
+  return qtype == QT_Q4_K || qtype == QT_Q6_K || qtype == QT_Q4_K_R2 || qtype == QT_Q6_K_R16;
+}
 
 }  // namespace
 
 int64_t avx2_madd_chains(int64_t n) {
-  __m256i acc[6], x[6];
+  // The lanes' arithmetic (Q4K2, Q6KR, the block types): per chain, vpmaddubsw products summed as int16 by vpaddw, one
+  // vpmaddwd by the scales and a vpaddd per 8 of them. 6 chains; 12 vpmaddubsw per unit of n (n rounded up to 4).
+  __m256i acc[6], s16[6];
 #pragma GCC unroll 6
-  for (int i = 0; i < 6; ++i) acc[i] = _mm256_set1_epi32(i), x[i] = _mm256_set1_epi8((char)(i - 3));
+  for (int i = 0; i < 6; ++i) acc[i] = _mm256_set1_epi32(i);
+  __m256i x = _mm256_set1_epi8(-3);
   const __m256i w = _mm256_set1_epi8(7), sc = _mm256_set1_epi16(5);
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n; i += 4) {
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) {
 #pragma GCC unroll 6
-    for (int j = 0; j < 6; ++j) {
-      __asm__("" : "+x"(x[j]));  // every step's products are made anew (not hoisted, not shared between chains)
-      acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x[j]), sc));
+      for (int j = 0; j < 6; ++j) {
+        __asm__("" : "+x"(x));  // every step's products are made anew (not hoisted, not shared between chains)
+        const __m256i t = _mm256_maddubs_epi16(w, x);
+        s16[j] = v == 0 ? t : _mm256_add_epi16(s16[j], t);
+        __asm__("" : "+x"(s16[j]));  // summed as made (as in the kernels), not all products first
+      }
     }
+#pragma GCC unroll 6
+    for (int j = 0; j < 6; ++j) acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(s16[j], sc));
   }
   for (int j = 1; j < 6; ++j) acc[0] = _mm256_add_epi32(acc[0], acc[j]);
   return _mm256_extract_epi32(acc[0], 0);
@@ -552,7 +709,7 @@ int64_t qmm_prep_units_avx2_int8(int, int64_t) { return 1; }
 void qmm_prep_avx2_int8(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool) {
   if (u0 >= u1) return;
   if (super_block_type(qtype))
-    prep_row(x, K, xg);
+    prep_row(x, K, xg, qtype);
   else
     prep_blocks(x, K, xg);
 }
@@ -563,6 +720,8 @@ bool qmm_rows_avx2_int8(int qtype, const uint8_t* xg, int64_t k, int64_t K, cons
   if (K % (super_block_type(qtype) ? SBV : BV) != 0) return false;
   switch (qtype) {
     case QT_Q4_K: rows_impl<SuperBlocks<Q4K>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+    case QT_Q4_K_R2: rows_impl<Q4KPairs>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+    case QT_Q6_K_R16: rows_impl<SuperBlocks<Q6KR, RMAX2>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
     case QT_Q6_K: rows_impl<SuperBlocks<Q6K>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
     case QT_Q4_0: rows_impl<Blocks<Q4_0B>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
     case QT_Q4_1: rows_impl<Blocks<Q4_1B>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;

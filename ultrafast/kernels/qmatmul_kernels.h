@@ -115,7 +115,8 @@ void attn_group_avx2(const float* q, int G, const float* kc, const float* vc, in
 // silu_mul_avx512's contract, 8 lanes at a time
 void silu_mul_avx2(float* g, const float* u, int64_t n);
 
-// ---- AVX2 integer path for int8 activations (qmatmul_avx2_int8.cpp): the quantized types in the file's layout, x
+// ---- AVX2 integer path for int8 activations (qmatmul_avx2_int8.cpp): the quantized types in the file's layout and
+// Q4_K / Q6_K also in the VNNI kernels' layouts made at load (QT_Q4_K_R2, QT_Q6_K_R16: layout_in_use), x
 // quantized to int8 per super-block of 256 for Q4_K and Q6_K (llama.cpp's Q8_K), per block of 32 for Q4_0, Q4_1,
 // Q5_0 and Q8_0 (its Q8_0 / Q8_1), vpmaddubsw/vpmaddwd integer sums. The same contract
 // as qmm_rows_avx512 (not the same bits); the x8 argument is ignored (always int8).
@@ -125,9 +126,9 @@ int64_t qmm_prep_units_avx2_int8(int qtype, int64_t K);
 void qmm_prep_avx2_int8(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool x8);
 bool qmm_rows_avx2_int8(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
                         int64_t ldy, int64_t n0, int64_t n1, bool x8);
-// The limit of that arithmetic, measured: n iterations of 6 independent chains of (vpmaddubsw, vpmaddwd by the scales,
-// vpaddd), each 32 multiply-adds of a weight byte and an int8 x, on the calling thread. Returns a value derived from
-// the sums.
+// The limit of that arithmetic, measured: 6 independent chains of vpmaddubsw summed as int16 by vpaddw, a vpmaddwd by
+// the scales and a vpaddd per 8 of them, 12 n vpmaddubsw (each 32 multiply-adds of a weight byte and an int8 x) on the
+// calling thread. Returns a value derived from the sums.
 int64_t avx2_madd_chains(int64_t n);
 
 // ---- AVX512-VNNI integer path (qmatmul_vnni.cpp): int16 activations (per 32-block scale; x8: int8, as
