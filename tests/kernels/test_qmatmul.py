@@ -600,7 +600,8 @@ def test_avx2_int8_reads_the_k_quants_in_lanes(avx2_int8, qtype, layout):
     (Q4_K: an odd last super-block in the file's layout), batch-invariant; at 16 bits the file's bytes."""
     assert uk.layout_in_use(qtype, 8) == layout and uk.linear_path(layout, 8) == "avx2-int8"
     assert uk.layout_in_use(qtype, 16) is None and uk.layout_in_use(uk.Q8_0, 8) is None
-    for i, k in enumerate((256, 512, 1280, 4608)):  # Q4_K: one super-block (no pair), a pair, two and one, 9 pairs
+    # Q4_K: one super-block (no pair), a pair, two and one, 9 pairs, 17 and one (the 1.5B's down projection)
+    for i, k in enumerate((256, 512, 1280, 4608, 8960)):
         raw = random_weight(qtype, 29, k, seed=40 + i)
         w = dequant(raw, qtype, k).double()
         lanes = uk.repack_vnni(torch.from_numpy(raw), qtype, k)
