@@ -61,9 +61,11 @@ namespace {
 
 #include "simd_bytes.h"
 
-// A prepared super-block (XSB bytes, rows ldx = nsb * XSB apart): int8 q[256] at 0; at XS, 8 floats s * (sum of q
-// over sub-block j of 32); at BS, 16 int16 sums of q over each scale group of 16; at S, the float s.
-constexpr int64_t SBV = 256, XSB = 384, XS = 256, BS = 288, S = 320;
+// A prepared super-block (XSB bytes, rows ldx = nsb * XSB apart): int8 q[256] at 0; at XS (Q4_K), 8 floats s * (sum
+// of q over sub-block j of 32), or at BS (Q6_K, the same place), 16 int16 sums of q over each scale group of 16; at S,
+// the float s. (320 bytes where both sums had places of their own, 384: the down projection's x, K = 8960, is read
+// from L2 at k >= 2, and its bytes are its time.)
+constexpr int64_t SBV = 256, XSB = 320, XS = 256, BS = 256, S = 288;
 constexpr int RMAX2 = 6;  // the pairs: their int16 sums and accumulators both in registers
 constexpr int RMAX = 8;  // activation rows a tile of the K-quants (their integer sums in registers, their accumulators as
                          // they fall); the block types take up to 2 * RMAX (their weights in lanes, made once a tile)
@@ -77,11 +79,11 @@ UF_INLINE float int8_scale(__m256 mx, __m256 nan) {
   return _mm256_movemask_ps(nan) ? __builtin_nanf("") : _mm_cvtss_f32(m4) / 127.0f;
 }
 
-// layout QT_Q4_K_R2: the first K / 512 * 2 super-blocks' q in the lane order of Q4_K's pairs: vector v (32 bytes),
+// layout: the type the rows hold. QT_Q4_K_R2: the first K / 512 * 2 super-blocks' q in the lane order of Q4_K's pairs: vector v (32 bytes),
 // int32 lane l holds values 4v..4v+3 of sub-block l (an 8 x 8 transpose of the 32-bit pieces); the rest in value order.
 // QT_Q6_K_R16: every super-block's q in its lane order: vector 4h + v, int32 lane l holds values 4v..4v+3 of scale
 // group 8h + l (h = 0, 1; v = 0..3). Otherwise value order.
-void prep_row(const float* x, int64_t K, uint8_t* out, int layout = 0) {
+void prep_row(const float* x, int64_t K, uint8_t* out, int layout) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < K / SBV; ++b) {
@@ -102,14 +104,18 @@ void prep_row(const float* x, int64_t K, uint8_t* out, int layout = 0) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm256_permutevar8x32_epi32(p, order));
     }
     const int8_t* q = reinterpret_cast<const int8_t*>(o);
-    float* xs = reinterpret_cast<float*>(o + XS);
-    int16_t* bs = reinterpret_cast<int16_t*>(o + BS);
+    int16_t bs[16];
     for (int g = 0; g < 16; ++g) {
       int sum = 0;
       for (int i = 0; i < 16; ++i) sum += q[16 * g + i];
       bs[g] = (int16_t)sum;
     }
-    for (int j = 0; j < 8; ++j) xs[j] = s * (float)(bs[2 * j] + bs[2 * j + 1]);
+    if (layout == QT_Q6_K || layout == QT_Q6_K_R16) {
+      __builtin_memcpy(o + BS, bs, 32);
+    } else {
+      float* xs = reinterpret_cast<float*>(o + XS);
+      for (int j = 0; j < 8; ++j) xs[j] = s * (float)(bs[2 * j] + bs[2 * j + 1]);
+    }
     __builtin_memcpy(o + S, &s, 4);
     if ((layout == QT_Q4_K_R2 && b < K / 512 * 2) || layout == QT_Q6_K_R16) {
       uint32_t t[64];  // t[8 l + v]: values 4v..4v+3 of sub-block l (Q4_K) / of groups 2l, 2l + 1 (Q6_K: v < 4, >= 4)
