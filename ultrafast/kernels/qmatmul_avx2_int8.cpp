@@ -531,7 +531,11 @@ struct SuperBlocks {  // Q4_K, Q6_K (and Q6_K_R16): units of 256 values
 
 struct Q4KPairs {  // QT_Q4_K_R2: units of 256 values, in pairs; an odd last super-block in the file's layout
   static constexpr int64_t VALUES = SBV;
-  static constexpr int ROWS = RMAX2;
+  // tiles of up to 8 rows, their sums and accumulators in registers (a few of the accumulators spill at 8): with at
+  // most RMAX2 = 6, k = 7 and 8 took two chunks of rows, each weight row decoded twice (`bench` on the 1.5B at int8,
+  // alternated, two pairs: r(7) 2.17 and 1.70 against 2.44 and 2.70, r(8) 2.42 and 2.72 against 2.66 and 2.87); at 10
+  // the spills cost more than the decode (50 G MAC/s). The outputs are the same bits at any tile.
+  static constexpr int ROWS = 8;
   template <int R>
   __attribute__((noinline)) static void row(const uint8_t* __restrict p, int64_t nsb, const uint8_t* __restrict xg,
                                             int64_t ldx, float* y, int64_t ldy) {
