@@ -197,21 +197,48 @@ UF_INLINE __m256i word_mask(int lo, int hi) {
 // lived on the stack); one vector at a time, 53; with the sums kept from being regrouped (GCC made all 32 products
 // first), 62; up to 8 rows a tile instead of 4 (the decode shared by twice the rows), 70 (Q6_K: 41, 48, 52, 60).
 
-// Q4_K (144 bytes: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: 32-byte chunk c holds values
-// 64c..64c+31 in its low nibbles (sub-block 2c) and 64c+32..64c+63 in its high ones (sub-block 2c+1)).
-struct Q4K {
-  static constexpr int64_t BYTES = 144;
-  template <int R>
-  static UF_INLINE void super_block(const uint8_t* p, const uint8_t* xb, int64_t ldx, __m256* acc) {
+// A Q4_K header (p: d, dmin, then the 12 bytes of 6-bit scales and mins): the 8 scales as bytes in sc (2 words), and
+// dmin * m_j on lane j (ggml's get_scale_min_k4, all eight at once).
+struct Q4KHeader {
+  uint32_t sc[2];
+  __m256 dm;
+  explicit UF_INLINE Q4KHeader(const uint8_t* p) {
     uint32_t s0, s1, s2;
     __builtin_memcpy(&s0, p + 4, 4);
     __builtin_memcpy(&s1, p + 8, 4);
     __builtin_memcpy(&s2, p + 12, 4);
-    const uint32_t u0 = s0 & 0x3f3f3f3fu;  // ggml get_scale_min_k4
-    const uint32_t u1 = (s2 & 0x0f0f0f0fu) | (((s0 >> 6) & 0x03030303u) << 4);
-    const uint32_t u2 = s1 & 0x3f3f3f3fu;
-    const uint32_t u3 = ((s2 >> 4) & 0x0f0f0f0fu) | (((s1 >> 6) & 0x03030303u) << 4);
-    const __m128i sc16 = _mm_cvtepu8_epi16(_mm_setr_epi32((int)u0, (int)u1, 0, 0));
+    sc[0] = s0 & 0x3f3f3f3fu;
+    sc[1] = (s2 & 0x0f0f0f0fu) | (((s0 >> 6) & 0x03030303u) << 4);
+    const uint32_t m0 = s1 & 0x3f3f3f3fu;
+    const uint32_t m1 = ((s2 >> 4) & 0x0f0f0f0fu) | (((s1 >> 6) & 0x03030303u) << 4);
+    dm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)m0, (int)m1, 0, 0))),
+                       _mm256_set1_ps(h2f(p + 2)));
+  }
+  UF_INLINE __m128i scales() const { return _mm_setr_epi32((int)sc[0], (int)sc[1], 0, 0); }
+  // The super-block's fp32 step for R rows (p: the header) from their exact int32 sums of sc_j * q_w . q_x:
+  // acc += (d * s) * isum, then the mins: acc -= (dmin * m_j) * (s * sum of q over sub-block j).
+  template <int R>
+  UF_INLINE void fp_step(const uint8_t* p, const uint8_t* xb, int64_t ldx, const __m256i* isum, __m256* acc) const {
+    const __m256 d = _mm256_set1_ps(h2f(p));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* x = xb + r * ldx;
+      const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + S)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), t, acc[r]);
+      acc[r] = _mm256_fnmadd_ps(dm, _mm256_loadu_ps(reinterpret_cast<const float*>(x + XS)), acc[r]);
+    }
+  }
+};
+
+// Q4_K (144 bytes: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: 32-byte chunk c holds values
+// 64c..64c+31 in its low nibbles (sub-block 2c) and 64c+32..64c+63 in its high ones (sub-block 2c+1)).
+struct Q4K {
+  static constexpr int64_t BYTES = 144;
+  static constexpr bool PAIRED = false;
+  template <int R>
+  static UF_INLINE void super_block(const uint8_t* p, const uint8_t* xb, int64_t ldx, __m256* acc) {
+    const Q4KHeader hdr(p);
+    const __m128i sc16 = _mm_cvtepu8_epi16(hdr.scales());
     const __m256i scw = _mm256_set_m128i(sc16, sc16);  // sc_0..7 as int16 in both lanes
     const __m256i m0f = _mm256_set1_epi8(0x0F);
     __m256i sum[R];
@@ -231,16 +258,7 @@ struct Q4K {
         }
       }
     }
-    const __m256 d = _mm256_set1_ps(h2f(p));
-    const __m256 dm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)u2, (int)u3, 0, 0))),
-                                    _mm256_set1_ps(h2f(p + 2)));  // dmin * m_j on lane j
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* x = xb + r * ldx;
-      const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + S)));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), t, acc[r]);
-      acc[r] = _mm256_fnmadd_ps(dm, _mm256_loadu_ps(reinterpret_cast<const float*>(x + XS)), acc[r]);
-    }
+    hdr.fp_step<R>(p, xb, ldx, sum, acc);
   }
 };
 
@@ -251,19 +269,13 @@ struct Q4K {
 // super-block add as int16 (at most 8 * 2 * 15 * 127 = 30480: exact) and one vpmaddwd by the lanes' scales widens them:
 // 9 multiplies per 256 values and row where the file's layout takes 16 (its sub-blocks span whole vectors).
 struct Q4K2 {
-  static constexpr int64_t BYTES = 288;
+  static constexpr int64_t BYTES = 288;  // a pair
+  static constexpr bool PAIRED = true;
   template <int R>
   static UF_INLINE void half(const uint8_t* p, int h, const uint8_t* xb, int64_t ldx, __m256* acc) {
     const uint8_t* hd = p + 16 * h;
-    uint32_t s0, s1, s2;
-    __builtin_memcpy(&s0, hd + 4, 4);
-    __builtin_memcpy(&s1, hd + 8, 4);
-    __builtin_memcpy(&s2, hd + 12, 4);
-    const uint32_t u0 = s0 & 0x3f3f3f3fu;  // ggml get_scale_min_k4
-    const uint32_t u1 = (s2 & 0x0f0f0f0fu) | (((s0 >> 6) & 0x03030303u) << 4);
-    const uint32_t u2 = s1 & 0x3f3f3f3fu;
-    const uint32_t u3 = ((s2 >> 4) & 0x0f0f0f0fu) | (((s1 >> 6) & 0x03030303u) << 4);
-    const __m256i sc32 = _mm256_cvtepu8_epi32(_mm_setr_epi32((int)u0, (int)u1, 0, 0));
+    const Q4KHeader hdr(hd);
+    const __m256i sc32 = _mm256_cvtepu8_epi32(hdr.scales());
     const __m256i scw = _mm256_or_si256(sc32, _mm256_slli_epi32(sc32, 16));  // sc_l in both words of lane l
     const __m256i m0f = _mm256_set1_epi8(0x0F);
     __m256i sum[R];
@@ -282,16 +294,9 @@ struct Q4K2 {
         }
       }
     }
-    const __m256 d = _mm256_set1_ps(h2f(hd));
-    const __m256 dm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)u2, (int)u3, 0, 0))),
-                                    _mm256_set1_ps(h2f(hd + 2)));  // dmin * m_l on lane l
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* x = xb + r * ldx;
-      const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + S)));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], scw)), t, acc[r]);
-      acc[r] = _mm256_fnmadd_ps(dm, _mm256_loadu_ps(reinterpret_cast<const float*>(x + XS)), acc[r]);
-    }
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_madd_epi16(sum[r], scw);  // widened: sc_l * (q_w . q_x) on lane l
+    hdr.fp_step<R>(hd, xb, ldx, sum, acc);
   }
 };
 
@@ -300,6 +305,7 @@ struct Q4K2 {
 // of value i: i / 16, so weight vector m = 4h + c holds groups 2m (its low lane) and 2m + 1 (its high lane).
 struct Q6K {
   static constexpr int64_t BYTES = 210;
+  static constexpr bool PAIRED = false;
   template <int R>
   static UF_INLINE void super_block(const uint8_t* p, const uint8_t* xb, int64_t ldx, __m256* acc) {
     const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
@@ -327,15 +333,21 @@ struct Q6K {
         }
       }
     }
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+    fp_step<R>(p, xb, ldx, sum, acc);
+  }
+
+  // A super-block's fp32 step (the scales at p + 192 and d at p + 208 in the file's layout and in Q6KR's): per row the
+  // -32 offset, 32 * sum_g sc_g * (sum of x over group g), taken off the integer sum (exact), then one convert and fma.
+  template <int R>
+  static UF_INLINE void fp_step(const uint8_t* p, const uint8_t* xb, int64_t ldx, const __m256i* isum, __m256* acc) {
+    const __m256i sc16 = _mm256_cvtepi8_epi16(load128(p + 192));
     const __m256 d = _mm256_set1_ps(h2f(p + 208));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const uint8_t* x = xb + r * ldx;
-      // the -32 offset: 32 * sum_g sc_g * (sum of x over group g), exact
       const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, load256(x + BS)), 5);
       const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + S)));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r], off)), t, acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], off)), t, acc[r]);
     }
   }
 };
@@ -347,8 +359,7 @@ struct Q6K {
 // (byte 4l + j, bits 2v..2v + 1: value 4v + j), then the 16 int8 scales in group order and d. A weight vector's int16
 // pair sums (at most 2 * 63 * 127) add two at a time, exact, before one vpmaddwd by the lanes' scales: 12 multiplies
 // per 256 values and row where the file's layout takes 16, and no scale shuffles. The -32 offset as in Q6K.
-struct Q6KR {
-  static constexpr int64_t BYTES = 210;
+struct Q6KR : Q6K {  // the file's bytes per super-block, and its fp32 step
   template <int R>
   static UF_INLINE void super_block(const uint8_t* p, const uint8_t* xb, int64_t ldx, __m256* acc) {
     const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
@@ -378,15 +389,7 @@ struct Q6KR {
         }
       }
     }
-    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
-    const __m256 d = _mm256_set1_ps(h2f(p + 208));
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* x = xb + r * ldx;
-      const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, load256(x + BS)), 5);
-      const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + S)));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], off)), t, acc[r]);
-    }
+    Q6K::fp_step<R>(p, xb, ldx, isum, acc);
   }
 };
 
@@ -513,8 +516,10 @@ struct Q8_0B {  // d, 32 int8
 };
 
 // Every linear's tile: one weight row against R activation rows, with the R accumulators in registers. T::row<R>.
+// The K-quants: T::super_block<R> per super-block, or (T::PAIRED, Q4K2) T::half<R> for each half of a pair, an odd
+// last super-block in the file's layout (Q4K).
 template <class T, int ROWS_ = RMAX>
-struct SuperBlocks {  // Q4_K, Q6_K (and Q6_K_R16): units of 256 values
+struct SuperBlocks {  // Q4_K, Q6_K, and their layouts: units of 256 values
   static constexpr int64_t VALUES = SBV;
   static constexpr int ROWS = ROWS_;
   template <int R>
@@ -523,35 +528,26 @@ struct SuperBlocks {  // Q4_K, Q6_K (and Q6_K_R16): units of 256 values
     __m256 acc[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nsb; ++b) T::template super_block<R>(p + b * T::BYTES, xg + b * XSB, ldx, acc);
+    if constexpr (T::PAIRED) {
+      const int64_t np = nsb / 2;
+      for (int64_t P = 0; P < np; ++P) {
+        T::template half<R>(p + P * T::BYTES, 0, xg + 2 * P * XSB, ldx, acc);
+        T::template half<R>(p + P * T::BYTES, 1, xg + (2 * P + 1) * XSB, ldx, acc);
+      }
+      if (nsb % 2) Q4K::super_block<R>(p + np * T::BYTES, xg + 2 * np * XSB, ldx, acc);
+    } else {
+      for (int64_t b = 0; b < nsb; ++b) T::template super_block<R>(p + b * T::BYTES, xg + b * XSB, ldx, acc);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]);
   }
 };
 
-struct Q4KPairs {  // QT_Q4_K_R2: units of 256 values, in pairs; an odd last super-block in the file's layout
-  static constexpr int64_t VALUES = SBV;
-  // tiles of up to 8 rows, their sums and accumulators in registers (a few of the accumulators spill at 8): with at
-  // most RMAX2 = 6, k = 7 and 8 took two chunks of rows, each weight row decoded twice (`bench` on the 1.5B at int8,
-  // alternated, two pairs: r(7) 2.17 and 1.70 against 2.44 and 2.70, r(8) 2.42 and 2.72 against 2.66 and 2.87); at 10
-  // the spills cost more than the decode (50 G MAC/s). The outputs are the same bits at any tile.
-  static constexpr int ROWS = 8;
-  template <int R>
-  __attribute__((noinline)) static void row(const uint8_t* __restrict p, int64_t nsb, const uint8_t* __restrict xg,
-                                            int64_t ldx, float* y, int64_t ldy) {
-    __m256 acc[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const int64_t np = nsb / 2;
-    for (int64_t P = 0; P < np; ++P) {
-      Q4K2::half<R>(p + P * Q4K2::BYTES, 0, xg + 2 * P * XSB, ldx, acc);
-      Q4K2::half<R>(p + P * Q4K2::BYTES, 1, xg + (2 * P + 1) * XSB, ldx, acc);
-    }
-    if (nsb % 2) Q4K::super_block<R>(p + np * Q4K2::BYTES, xg + 2 * np * XSB, ldx, acc);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]);
-  }
-};
+// Q4_K's pairs take tiles of up to 8 rows, their sums and accumulators in registers (a few of the accumulators spill at
+// 8): with at most RMAX2 = 6, k = 7 and 8 took two chunks of rows, each weight row decoded twice (`bench` on the 1.5B at
+// int8, alternated, two pairs: r(7) 2.17 and 1.70 against 2.44 and 2.70, r(8) 2.42 and 2.72 against 2.66 and 2.87); at
+// 10 the spills cost more than the decode (50 G MAC/s). The outputs are the same bits at any tile.
+constexpr int PAIR_ROWS = 8;
 
 template <class T>
 struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
@@ -730,7 +726,7 @@ bool qmm_rows_avx2_int8(int qtype, const uint8_t* xg, int64_t k, int64_t K, cons
   if (K % (super_block_type(qtype) ? SBV : BV) != 0) return false;
   switch (qtype) {
     case QT_Q4_K: rows_impl<SuperBlocks<Q4K>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
-    case QT_Q4_K_R2: rows_impl<Q4KPairs>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+    case QT_Q4_K_R2: rows_impl<SuperBlocks<Q4K2, PAIR_ROWS>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
     case QT_Q6_K_R16: rows_impl<SuperBlocks<Q6KR, RMAX2>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
     case QT_Q6_K: rows_impl<SuperBlocks<Q6K>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
     case QT_Q4_0: rows_impl<Blocks<Q4_0B>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
