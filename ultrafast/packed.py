@@ -49,8 +49,8 @@ class PackedLinear(nn.Module):
     def weights(self, layouts: bool | None = None) -> tuple[torch.Tensor, int]:
         """The bytes and type id the kernels read: the file's, except where the kernels in force read a layout made
         once from `raw` (`kernels.layout_in_use`: every quantized type on the VNNI kernels, `kernels.repack_vnni`:
-        Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K with one fp32 step per 512 values, Q6_K without weight permutes; Q4_K's
-        pairs of super-blocks on the AVX2 integer kernels at int8). `raw` keeps the file's bytes for every other
+        Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K with one fp32 step per 512 values, Q6_K without weight permutes; the AVX2
+        integer kernels, at int8, Q4_K's and Q6_K's). `raw` keeps the file's bytes for every other
         reader and path. layouts: True / False ask for the type's layout / the file's bytes whatever the path."""
         if layouts is None:
             layout = kernels.layout_in_use(self.qtype, self.act_bits)

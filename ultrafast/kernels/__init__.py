@@ -33,8 +33,8 @@ stderr) and later processes reuse the build. The kernel path is chosen at runtim
     "avx2-fp32"    the same scheme in 8-lane AVX2 + FMA registers, for CPUs without AVX-512 (Zen 1-3, most
                    Intel client parts); every type.
     "avx2-int8"    with act_bits=8 where VNNI is not in use: x rounded to int8 (per super-block of 256 for Q4_K
-                   and Q6_K, per block of 32 for the others) and multiplied exactly with vpmaddubsw; Q4_K is read
-                   in the VNNI kernels' pairs of super-blocks (`layout_in_use`), one sub-block per int32 lane.
+                   and Q6_K, per block of 32 for the others) and multiplied exactly with vpmaddubsw; Q4_K and Q6_K
+                   are read in the VNNI kernels' layouts (`layout_in_use`), a sub-block / scale group per int32 lane.
     "scalar"       portable path with the same math as avx512-fp32, for other CPUs.
 
 Each path is batch-invariant on its own (bit-identical per row whatever k and the threads); the paths
@@ -75,8 +75,8 @@ _BLOCKS = {
 }
 SUPPORTED_TYPES = frozenset(_BLOCKS)
 # Not GGML types: the VNNI kernels' own layouts of a type's bytes (`repack_vnni`), each id its type's + 100; that
-# path reads them all, the AVX2 integer one Q4_K_R2 (`layout_in_use`). Q4_K in pairs of super-blocks; the 32-value-block types 16 blocks a group; Q6_K one scale
-# group of 16 per lane.
+# path reads them all, the AVX2 integer one Q4_K_R2 and Q6_K_R16 (`layout_in_use`). Q4_K in pairs of super-blocks;
+# the 32-value-block types 16 blocks a group; Q6_K one scale group of 16 per lane.
 Q4_0_R16, Q4_1_R16, Q5_0_R16, Q8_0_R16, Q4_K_R2, Q6_K_R16 = 102, 103, 106, 108, 112, 114
 
 _HERE = Path(__file__).resolve().parent
@@ -377,7 +377,7 @@ def vnni_layout(qtype: int) -> int | None:
 def layout_in_use(qtype: int, act_bits: int = 16) -> int | None:
     """The type id of the layout made at load (`repack_vnni`) that the kernels in force read for a linear of `qtype`
     with act_bits-bit activations, or None where they read the file's bytes: every quantized type's on the VNNI
-    kernels, Q4_K's pairs of super-blocks on the AVX2 integer ones (int8 activations)."""
+    kernels, Q4_K's and Q6_K's on the AVX2 integer ones (int8 activations)."""
     if not available():
         return None
     layout = load().layout_in_use(int(qtype), int(act_bits))
