@@ -52,6 +52,12 @@ const LinearOps* fp32_ops() {
   return avx2_cpu() ? &kAvx2 : nullptr;
 }
 
+// The AVX2 integer kernels for qt where int8 activations are asked (x8), this CPU has AVX2, the path in force is not
+// the scalar one and they multiply qt; else none.
+const LinearOps* avx2_int8_ops(int qt, bool x8) {
+  return x8 && fp32_ops() != nullptr && avx2_cpu() && qmm_avx2_int8_supports(qt) ? &kAvx2Int8 : nullptr;
+}
+
 }  // namespace
 
 void request_path(PathRequest p) {
@@ -74,14 +80,10 @@ const LinearOps* linear_ops(int qt, bool x8) {
   TypeInfo ti;
   if (!type_info(qt, &ti)) return nullptr;
   if (is_vnni_layout(qt)) {  // the layouts made at load: the VNNI kernels read them all, the AVX2 integer ones some
-    if (vnni_in_use()) return &kVnni;
-    return x8 && fp32_ops() != nullptr && avx2_cpu() && qmm_avx2_int8_supports(qt) ? &kAvx2Int8 : nullptr;
+    return vnni_in_use() ? &kVnni : avx2_int8_ops(qt, x8);
   }
   if (qmm_vnni_supports(qt) && vnni_in_use()) return &kVnni;
-  if (x8 && qmm_vnni_supports(qt)) {  // int8 activations: the VNNI kernels, else the AVX2 integer ones
-    const bool avx2 = fp32_ops() != nullptr && avx2_cpu();
-    return avx2 && qmm_avx2_int8_supports(qt) ? &kAvx2Int8 : nullptr;
-  }
+  if (x8 && qmm_vnni_supports(qt)) return avx2_int8_ops(qt, x8);  // int8 activations: the VNNI kernels, else AVX2's
   const LinearOps* f = fp32_ops();
   return f != nullptr ? f : &kScalar;
 }

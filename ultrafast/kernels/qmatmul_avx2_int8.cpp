@@ -66,9 +66,9 @@ namespace {
 // the float s. (320 bytes where both sums had places of their own, 384: the down projection's x, K = 8960, is read
 // from L2 at k >= 2, and its bytes are its time.)
 constexpr int64_t SBV = 256, XSB = 320, XS = 256, BS = 256, S = 288;
-constexpr int RMAX2 = 6;  // the pairs: their int16 sums and accumulators both in registers
-constexpr int RMAX = 8;  // activation rows a tile of the K-quants (their integer sums in registers, their accumulators as
-                         // they fall); the block types take up to 2 * RMAX (their weights in lanes, made once a tile)
+constexpr int RMAX = 8;  // activation rows a tile of the K-quants in the file's layouts (their integer sums in
+                         // registers, their accumulators as they fall; the lane layouts take LANE_ROWS); the block
+                         // types take up to 2 * RMAX (their weights in lanes, made once a tile)
 
 // The int8 scale of a block of x from its lanes' max |x| and NaN flags: s = max|x| / 127; NaN where the block holds a
 // NaN, inf where it holds an inf, so that the row's outputs are non-finite too (as on every path); 0 where all are 0.
@@ -220,7 +220,7 @@ struct Q4KHeader {
   template <int R>
   UF_INLINE void fp_step(const uint8_t* p, const uint8_t* xb, int64_t ldx, const __m256i* isum, __m256* acc) const {
     const __m256 d = _mm256_set1_ps(h2f(p));
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const uint8_t* x = xb + r * ldx;
       const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + S)));
@@ -250,7 +250,7 @@ struct Q4K {
         const int j = 2 * c + h;
         const __m256i w = _mm256_and_si256(h ? _mm256_srli_epi16(Q, 4) : Q, m0f);
         const __m256i sc = _mm256_shuffle_epi8(scw, word_mask(j, j));
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(w, load256(xb + r * ldx + 32 * j)), sc);
           sum[r] = j == 0 ? t : _mm256_add_epi32(sum[r], t);
@@ -286,7 +286,7 @@ struct Q4K2 {
       for (int hi = 0; hi < 2; ++hi) {
         const int v = 2 * u + hi;
         const __m256i w = _mm256_and_si256(hi ? _mm256_srli_epi16(Q, 4) : Q, m0f);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const __m256i t = _mm256_maddubs_epi16(w, load256(xb + r * ldx + 32 * v));
           sum[r] = v == 0 ? t : _mm256_add_epi16(sum[r], t);
@@ -294,7 +294,7 @@ struct Q4K2 {
         }
       }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) sum[r] = _mm256_madd_epi16(sum[r], scw);  // widened: sc_l * (q_w . q_x) on lane l
     hdr.fp_step<R>(hd, xb, ldx, sum, acc);
   }
@@ -325,7 +325,7 @@ struct Q6K {
                          : c == 2 ? H : _mm256_srli_epi16(H, 2);
         const __m256i w = _mm256_or_si256(lo, _mm256_and_si256(hb, m30));
         const __m256i sc = _mm256_shuffle_epi8(scw, word_mask(2 * c, 2 * c + 1));
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(w, load256(xb + r * ldx + 32 * m)), sc);
           sum[r] = m == 0 ? t : _mm256_add_epi32(sum[r], t);
@@ -342,7 +342,7 @@ struct Q6K {
   static UF_INLINE void fp_step(const uint8_t* p, const uint8_t* xb, int64_t ldx, const __m256i* isum, __m256* acc) {
     const __m256i sc16 = _mm256_cvtepi8_epi16(load128(p + 192));
     const __m256 d = _mm256_set1_ps(h2f(p + 208));
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const uint8_t* x = xb + r * ldx;
       const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, load256(x + BS)), 5);
@@ -379,7 +379,7 @@ struct Q6KR : Q6K {  // the file's bytes per super-block, and its fp32 step
         const __m256i wa = _mm256_or_si256(_mm256_and_si256(L, m0f), _mm256_and_si256(ha, m30));
         const __m256i wb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L, 4), m0f), _mm256_and_si256(hb, m30));
         const int v = 4 * h + 2 * c;
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const uint8_t* x = xb + r * ldx + 32 * v;
           const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(wa, load256(x)), _mm256_maddubs_epi16(wb, load256(x + 32)));
@@ -515,9 +515,12 @@ struct Q8_0B {  // d, 32 int8
   }
 };
 
-// Every linear's tile: one weight row against R activation rows, with the R accumulators in registers. T::row<R>.
-// The K-quants: T::super_block<R> per super-block, or (T::PAIRED, Q4K2) T::half<R> for each half of a pair, an odd
-// last super-block in the file's layout (Q4K).
+// Every linear's tile: one weight row against R activation rows, with the R accumulators in registers up to
+// ACC_IN_REGS rows and in memory (L1) above: a tile of 9 or 10 rows keeps its integer sums in registers (10 of the 16)
+// and each accumulator costs a load and a store per super-block. T::row<R>. The K-quants: T::super_block<R> per
+// super-block, or (T::PAIRED, Q4K2) T::half<R> for each half of a pair, an odd last super-block in the file's layout
+// (Q4K).
+constexpr int ACC_IN_REGS = 8;
 template <class T, int ROWS_ = RMAX>
 struct SuperBlocks {  // Q4_K, Q6_K, and their layouts: units of 256 values
   static constexpr int64_t VALUES = SBV;
@@ -526,28 +529,36 @@ struct SuperBlocks {  // Q4_K, Q6_K, and their layouts: units of 256 values
   __attribute__((noinline)) static void row(const uint8_t* __restrict p, int64_t nsb, const uint8_t* __restrict xg,
                                             int64_t ldx, float* y, int64_t ldy) {
     __m256 acc[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     if constexpr (T::PAIRED) {
       const int64_t np = nsb / 2;
       for (int64_t P = 0; P < np; ++P) {
         T::template half<R>(p + P * T::BYTES, 0, xg + 2 * P * XSB, ldx, acc);
+        if constexpr (R > ACC_IN_REGS) __asm__ volatile("" : : "r"(acc) : "memory");
         T::template half<R>(p + P * T::BYTES, 1, xg + (2 * P + 1) * XSB, ldx, acc);
+        if constexpr (R > ACC_IN_REGS) __asm__ volatile("" : : "r"(acc) : "memory");
       }
       if (nsb % 2) Q4K::super_block<R>(p + np * T::BYTES, xg + 2 * np * XSB, ldx, acc);
     } else {
-      for (int64_t b = 0; b < nsb; ++b) T::template super_block<R>(p + b * T::BYTES, xg + b * XSB, ldx, acc);
+      for (int64_t b = 0; b < nsb; ++b) {
+        T::template super_block<R>(p + b * T::BYTES, xg + b * XSB, ldx, acc);
+        if constexpr (R > ACC_IN_REGS) __asm__ volatile("" : : "r"(acc) : "memory");
+      }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]);
   }
 };
 
-// Q4_K's pairs take tiles of up to 8 rows, their sums and accumulators in registers (a few of the accumulators spill at
-// 8): with at most RMAX2 = 6, k = 7 and 8 took two chunks of rows, each weight row decoded twice (`bench` on the 1.5B at
-// int8, alternated, two pairs: r(7) 2.17 and 1.70 against 2.44 and 2.70, r(8) 2.42 and 2.72 against 2.66 and 2.87); at
-// 10 the spills cost more than the decode (50 G MAC/s). The outputs are the same bits at any tile.
-constexpr int PAIR_ROWS = 8;
+// The lane layouts (Q4_K's pairs, Q6_K_R16) take tiles of up to 10 rows, so that ten rows (best-of-10's candidates, a
+// verification of ten) decode each weight row once instead of twice. Before: Q4_K tiles of 8 (k = 7 and 8 one chunk:
+// `bench` on the 1.5B at int8, alternated, r(7) 2.17 and 1.70 against 2.44 and 2.70 with tiles of 6), Q6_K 6. Tiles
+// of 10 first ran at 50 G MAC/s: the loops over rows were unrolled 8 at a time, so GCC kept the sums in an array on
+// the stack; unrolled whole, with the accumulators in memory (ACC_IN_REGS), ten rows of the 1.5B took 106 ms against
+// 113-116 (k = 8: 85 against 89-91; a script timing `Engine.forward_batch` of k one-token sequences, alternated with
+// the build before, three pairs). The outputs are the same bits at any tile.
+constexpr int LANE_ROWS = 10;
 
 template <class T>
 struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
@@ -726,8 +737,8 @@ bool qmm_rows_avx2_int8(int qtype, const uint8_t* xg, int64_t k, int64_t K, cons
   if (K % (super_block_type(qtype) ? SBV : BV) != 0) return false;
   switch (qtype) {
     case QT_Q4_K: rows_impl<SuperBlocks<Q4K>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
-    case QT_Q4_K_R2: rows_impl<SuperBlocks<Q4K2, PAIR_ROWS>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
-    case QT_Q6_K_R16: rows_impl<SuperBlocks<Q6KR, RMAX2>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+    case QT_Q4_K_R2: rows_impl<SuperBlocks<Q4K2, LANE_ROWS>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+    case QT_Q6_K_R16: rows_impl<SuperBlocks<Q6KR, LANE_ROWS>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
     case QT_Q6_K: rows_impl<SuperBlocks<Q6K>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
     case QT_Q4_0: rows_impl<Blocks<Q4_0B>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
     case QT_Q4_1: rows_impl<Blocks<Q4_1B>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
