@@ -521,6 +521,14 @@ struct Q8_0B {  // d, 32 int8
 // super-block, or (T::PAIRED, Q4K2) T::half<R> for each half of a pair, an odd last super-block in the file's layout
 // (Q4K).
 constexpr int ACC_IN_REGS = 8;
+
+// After a super-block (or half) of a tile of R rows: above ACC_IN_REGS rows the accumulators go to memory here (the
+// barrier takes their address), so that the integer sums keep the registers.
+template <int R>
+UF_INLINE void accumulators_to_l1(__m256* acc) {
+  if constexpr (R > ACC_IN_REGS) __asm__ volatile("" : : "r"(acc) : "memory");
+}
+
 template <class T, int ROWS_ = RMAX>
 struct SuperBlocks {  // Q4_K, Q6_K, and their layouts: units of 256 values
   static constexpr int64_t VALUES = SBV;
@@ -535,15 +543,15 @@ struct SuperBlocks {  // Q4_K, Q6_K, and their layouts: units of 256 values
       const int64_t np = nsb / 2;
       for (int64_t P = 0; P < np; ++P) {
         T::template half<R>(p + P * T::BYTES, 0, xg + 2 * P * XSB, ldx, acc);
-        if constexpr (R > ACC_IN_REGS) __asm__ volatile("" : : "r"(acc) : "memory");
+        accumulators_to_l1<R>(acc);
         T::template half<R>(p + P * T::BYTES, 1, xg + (2 * P + 1) * XSB, ldx, acc);
-        if constexpr (R > ACC_IN_REGS) __asm__ volatile("" : : "r"(acc) : "memory");
+        accumulators_to_l1<R>(acc);
       }
       if (nsb % 2) Q4K::super_block<R>(p + np * T::BYTES, xg + 2 * np * XSB, ldx, acc);
     } else {
       for (int64_t b = 0; b < nsb; ++b) {
         T::template super_block<R>(p + b * T::BYTES, xg + b * XSB, ldx, acc);
-        if constexpr (R > ACC_IN_REGS) __asm__ volatile("" : : "r"(acc) : "memory");
+        accumulators_to_l1<R>(acc);
       }
     }
 #pragma GCC unroll 16
