@@ -190,10 +190,10 @@ class Engine:
         packed = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
         if packed:
             fused = "fused layers" if isinstance(self.model.layers[0], FusedBlock) else "per-op"
-            path = kernels.linear_path(packed[0].qtype, packed[0].act_bits) or kernels.path_in_use()
+            paths = list(dict.fromkeys(m.kernel_path() or kernels.path_in_use() for m in packed))  # first seen first
             if packed[0].act_bits == 8:
-                path = path.replace("int16", "int8")
-            return f"packed, {fused}, {path}"
+                paths = [p.replace("vnni-int16", "vnni-int8") for p in paths]
+            return f"packed, {fused}, {' + '.join(paths)}"
         from .bf16 import BF16Linear
 
         bf16 = [m for m in self.model.modules() if isinstance(m, BF16Linear)]

@@ -50,7 +50,7 @@ class PackedLinear(nn.Module):
         """The bytes and type id the kernels read: the file's, except where the kernels in force read a layout made
         once from `raw` (`kernels.layout_in_use`: every quantized type on the VNNI kernels, `kernels.repack_vnni`:
         Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K with one fp32 step per 512 values, Q6_K without weight permutes; the AVX2
-        integer kernels, at int8, Q4_K's and Q6_K's). `raw` keeps the file's bytes for every other
+        integer kernels, at 8 and 16 bits, Q4_K's and Q6_K's). `raw` keeps the file's bytes for every other
         reader and path. layouts: True / False ask for the type's layout / the file's bytes whatever the path."""
         if layouts is None:
             layout = kernels.layout_in_use(self.qtype, self.act_bits)
@@ -61,6 +61,10 @@ class PackedLinear(nn.Module):
         if self.raw_layout is None or self._layout_of is not self.raw:
             self.raw_layout, self._layout_of = kernels.repack_vnni(self.raw, self.qtype, self.in_features), self.raw
         return self.raw_layout, layout
+
+    def kernel_path(self) -> str:
+        """The kernels this linear runs on now (`kernels.linear_path` of the bytes `weights` gives them)."""
+        return kernels.linear_path(kernels.layout_in_use(self.qtype, self.act_bits) or self.qtype, self.act_bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, qtype = self.weights()

@@ -92,7 +92,7 @@ def num_threads(n: int):
 
 
 PATHS = ["vnni", "avx512", "avx2", "scalar"]  # avx512 = the AVX-512 fp32 path, avx2 = the AVX2 fp32 path
-_REQUEST = {"vnni": "auto", "avx512": "fp32", "avx2": "avx2", "scalar": "scalar"}
+_REQUEST = {"vnni": "auto", "avx512": "fp32", "avx2": "avx2-fp32", "scalar": "scalar"}
 _NAME = {"vnni": "vnni-int16", "avx512": "avx512-fp32", "avx2": "avx2-fp32", "scalar": "scalar"}
 
 
@@ -558,7 +558,8 @@ def test_avx2_int8_activations_are_exact_products_of_the_rounded_x(avx2_int8, qt
     """On the AVX2 path act_bits=8 rounds x to int8 (per super-block of 256 for the K-quants, llama.cpp's Q8_K; per
     block of 32 for the others, its Q8_0) and multiplies it with the file's integers exactly: the output equals
     rounded-x @ dequant(W).T to fp32 summation error."""
-    assert uk.linear_path(qtype, 8) == "avx2-int8" and uk.linear_path(qtype, 16) == "avx2-fp32"
+    assert uk.linear_path(qtype, 8) == "avx2-int8"
+    assert uk.linear_path(qtype, 16) == ("avx2-int16" if qtype == uk.Q4_K else "avx2-fp32")
     block = AVX2_INT8_BLOCK[qtype]
     for i, k in enumerate(K_VALUES[qtype]):
         raw = random_weight(qtype, 29, k, seed=20 + i)
@@ -599,7 +600,7 @@ def test_avx2_int8_reads_the_k_quants_in_lanes(avx2_int8, qtype, layout):
     super-blocks: a sub-block per int32 lane; Q6_K a scale group per lane): the exact product of the rounded x again
     (Q4_K: an odd last super-block in the file's layout), batch-invariant; at 16 bits the file's bytes."""
     assert uk.layout_in_use(qtype, 8) == layout and uk.linear_path(layout, 8) == "avx2-int8"
-    assert uk.layout_in_use(qtype, 16) is None and uk.layout_in_use(uk.Q8_0, 8) is None
+    assert uk.layout_in_use(uk.Q8_0, 8) is None
     # Q4_K: one super-block (no pair), a pair, two and one, 9 pairs, 17 and one (the 1.5B's down projection)
     for i, k in enumerate((256, 512, 1280, 4608, 8960)):
         raw = random_weight(qtype, 29, k, seed=40 + i)
@@ -621,6 +622,83 @@ def test_avx2_int8_reads_the_k_quants_in_lanes(avx2_int8, qtype, layout):
     lanes = uk.repack_vnni(torch.from_numpy(random_weight(qtype, 4, 512, seed=1)), qtype, 512)
     y = uk.qmatmul(x, lanes, layout, 512, act_bits=8)
     assert not y[:2].isfinite().any() and y[2].isfinite().all()
+
+
+# 16-bit activations on the AVX2 integer kernels (avx2-int16: Q4_K and the two lane layouts; x rounded to int16 per
+# super-block of 256 and multiplied as two signed byte planes)
+
+def _round_int16(x: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """x rounded per block as avx2-int16 does: s = max|x| / 32639 in fp32, q = rint(x / s) in fp32."""
+    xb = x.reshape(-1, block)
+    s = xb.abs().amax(-1, keepdim=True) / 32639.0
+    q = torch.where(s > 0, torch.round(xb / torch.where(s > 0, s, torch.ones_like(s))), torch.zeros_like(xb))
+    return (q.double() * s.double()).reshape(x.shape)
+
+
+def test_avx2_int16_is_the_16_bit_path_for_the_k_quants(avx2_int8):
+    """On the AVX2 path, 16-bit activations take the integer kernels for Q4_K and Q6_K in their lanes (the layouts made
+    at load), the fp32 ones for the other types and for Q6_K's file layout; `avx2-fp32` and `fp32` keep them all on the
+    fp32 kernels; int8 is unchanged."""
+    assert uk.linear_path(uk.Q4_K, 16) == "avx2-int16" and uk.linear_path(uk.Q4_K_R2, 16) == "avx2-int16"
+    assert uk.linear_path(uk.Q6_K_R16, 16) == "avx2-int16" and uk.linear_path(uk.Q6_K, 16) == "avx2-fp32"
+    assert uk.layout_in_use(uk.Q4_K, 16) == uk.Q4_K_R2 and uk.layout_in_use(uk.Q6_K, 16) == uk.Q6_K_R16
+    for t in (uk.Q4_0, uk.Q4_1, uk.Q5_0, uk.Q8_0, uk.F32):
+        assert uk.linear_path(t, 16) == "avx2-fp32" and uk.layout_in_use(t, 16) is None
+    try:
+        for request in ("avx2-fp32", "fp32"):
+            uk.set_kernels_path(request)
+            if request == "fp32" and uk.load().avx512_supported():
+                continue  # the AVX-512 fp32 kernels there
+            assert uk.linear_path(uk.Q4_K, 16) == "avx2-fp32" and uk.layout_in_use(uk.Q4_K, 16) is None
+            assert uk.linear_path(uk.Q4_K, 8) == "avx2-int8"
+    finally:
+        uk.set_kernels_path("avx2")
+
+
+@pytest.mark.parametrize("qtype,layout", [(uk.Q4_K, uk.Q4_K), (uk.Q4_K, uk.Q4_K_R2), (uk.Q6_K, uk.Q6_K_R16)],
+                         ids=["Q4_K", "Q4_K_R2", "Q6_K_R16"])
+def test_avx2_int16_activations_are_exact_products_of_the_rounded_x(avx2_int8, qtype, layout):
+    """avx2-int16 rounds x to int16 per super-block of 256 (s = max|x| / 32639) and multiplies it with the file's
+    integers exactly (two byte planes, the high one weighted by 256 in the integer sums): the output equals rounded-x
+    @ dequant(W).T to fp32 summation error, is within the int16 rounding of the fp32 product, and is batch-invariant
+    at any tile (up to 4 rows) and schedule. Q4_K: one super-block, a pair, two and one, 9 pairs, 17 and one (the
+    1.5B's down projection), its odd last one in the file's layout."""
+    for i, k in enumerate((256, 512, 1280, 4608, 8960)):
+        raw = random_weight(qtype, 29, k, seed=60 + i)
+        if qtype == uk.Q6_K:  # the extremes of the integer sums: scale -128 and every weight 0 (w - 32 = -32)
+            blocks = raw.reshape(29, -1, 210)
+            blocks[5, :, 192:208] = 0x80
+            blocks[5, :, :192] = 0
+        w = dequant(raw, qtype, k).double()
+        bytes_ = torch.from_numpy(raw) if layout == qtype else uk.repack_vnni(torch.from_numpy(raw), qtype, k)
+        x = torch.randn(23, k, generator=torch.Generator().manual_seed(i))
+        x[1, :256] = 0.0  # an all-zero super-block
+        x[2, -256:] *= 1e-3  # a super-block far smaller than the others
+        x[3, :] = -torch.linspace(1.0, 2.0, k)  # x at -32639 (and every other q negative): the largest |sum|
+        y = uk.qmatmul(x, bytes_, layout, k)
+        ref = _round_int16(x) @ w.T
+        scale = x.double().abs() @ w.abs().T
+        assert ((y.double() - ref).abs() <= 2e-6 * scale + 1e-30).all(), f"K={k}"
+        assert ((y.double() - x.double() @ w.T).abs() <= RTOL_VNNI * scale + 1e-30).all(), f"K={k}"
+        singles = torch.cat([uk.qmatmul(x[j:j + 1], bytes_, layout, k) for j in range(23)])
+        for rows in (2, 3, 4, 5, 7, 8, 9, 16, 23):  # tiles of up to 4 rows; above 8 the weight-tiled schedule
+            assert torch.equal(uk.qmatmul(x[:rows], bytes_, layout, k), singles[:rows]), (k, rows)
+        with num_threads(1):
+            assert torch.equal(uk.qmatmul(x[:9], bytes_, layout, k), singles[:9])
+        y8 = uk.qmatmul(x, bytes_, layout, k, act_bits=8)
+        assert (y8 - y).abs().max() > 10 * (y.double() - ref).abs().max()  # not the int8 path's result
+
+
+@pytest.mark.parametrize("layout", [uk.Q4_K_R2, uk.Q6_K_R16], ids=["Q4_K_R2", "Q6_K_R16"])
+def test_avx2_int16_non_finite_inputs_propagate(avx2_int8, layout):
+    qtype = uk.Q4_K if layout == uk.Q4_K_R2 else uk.Q6_K
+    x = torch.randn(3, 512)
+    x[0, 7] = float("nan")
+    x[1, 300] = float("inf")
+    lanes = uk.repack_vnni(torch.from_numpy(random_weight(qtype, 4, 512, seed=1)), qtype, 512)
+    y = uk.qmatmul(x, lanes, layout, 512)
+    assert not y[:2].isfinite().any() and y[2].isfinite().all()
+    assert torch.equal(y[2], uk.qmatmul(x[2:], lanes, layout, 512)[0])
 
 
 def test_act_bits_errors():

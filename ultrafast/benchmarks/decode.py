@@ -180,9 +180,11 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
     bar.update(1)
     bar.note("the multiply peak")
     peak = kernels.multiply_peak(threads) if "vnni" in info["kernels"] else None
-    # the AVX2 kernels' limits: fp32 FMAs, or (avx2-int8, 8-bit activations) vpmaddubsw summed by vpaddw
+    # the AVX2 kernels' limits: fp32 FMAs, or (avx2-int8, avx2-int16) vpmaddubsw summed by vpaddw, one per int8
+    # multiply-add, two per int16 one (a byte plane each)
     fma = kernels.fma_peak(threads) if "avx2-fp32" in info["kernels"] else None
-    madd = kernels.int8_madd_peak(threads) if "avx2-int8" in info["kernels"] else None
+    int16 = "avx2-int16" in info["kernels"]
+    madd = kernels.int8_madd_peak(threads) if "avx2-int8" in info["kernels"] or int16 else None
     bar.update(1)
     ids = prompt_tokens(engine.tokenizer, prompt_len)
     bar.note(f"ours: prefill {prompt_len}, decode {gen}, r(k) for k = 1..{max_k}")
@@ -198,7 +200,7 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
     multiply = None
     if peak is not None or fma is not None or madd is not None:
         # the VNNI kernels' int16/int8 multiply-adds, or the AVX2 kernels' fp32 or int8 ones
-        rate = peak.macs_per_s(activation_bits) if peak is not None else fma or madd
+        rate = peak.macs_per_s(activation_bits) if peak is not None else fma or (madd / 2 if int16 else madd)
         arith = peak.arithmetic_macs_per_s(activation_bits, paired_share) if peak is not None else None
         t_mem = bpt / (bwn * 1e9)
 
@@ -207,6 +209,7 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
         multiply = {
             "vpdpbusd_per_s": peak.vpdpbusd_per_s if peak is not None else None,
             "fma_per_s": fma / 8 if fma is not None else None,
+            "vpmaddubsw_per_s": madd / 32 if madd is not None else None,
             "activation_bits": 32 if fma is not None else activation_bits, "macs_per_s": rate,
             "macs_per_token": macs, "macs_per_token_prefill": macs_prefill,
             "physical_r_k": {k: physical(k) / physical(1) for k in ours.r_k},
@@ -271,10 +274,12 @@ def format_table(r: dict) -> str:
             lines.append(f"multiply peak (measured, {t} threads): {mp['vpdpbusd_per_s'] / 1e9:.2f} G vpdpbusd/s = "
                          f"{mp['macs_per_s'] / 1e9:.0f} G int{mp['activation_bits']} MAC/s; "
                          f"{mp['macs_per_token'] / 1e9:.2f} G MACs per token")
-        elif mp["activation_bits"] == 8:  # avx2-int8
-            lines.append(f"multiply peak (measured, {t} threads): {mp['macs_per_s'] / 32e9:.2f} G vpmaddubsw/s "
-                         f"(summed by vpaddw, a vpmaddwd per 8) = {mp['macs_per_s'] / 1e9:.0f} G int8 MAC/s; {mp['macs_per_token'] / 1e9:.2f} G MACs "
-                         f"per token")
+        elif mp.get("vpmaddubsw_per_s") or mp["activation_bits"] == 8:  # avx2-int8, avx2-int16
+            per = mp.get("vpmaddubsw_per_s") or mp["macs_per_s"] / 32
+            two = ", two per int16 MAC (one a byte plane of x)" if mp["activation_bits"] == 16 else ""
+            lines.append(f"multiply peak (measured, {t} threads): {per / 1e9:.2f} G vpmaddubsw/s "
+                         f"(summed by vpaddw, a vpmaddwd per 8{two}) = {mp['macs_per_s'] / 1e9:.0f} G "
+                         f"int{mp['activation_bits']} MAC/s; {mp['macs_per_token'] / 1e9:.2f} G MACs per token")
         else:
             lines.append(f"multiply peak (measured, {t} threads): {mp['fma_per_s'] / 1e9:.2f} G 8-lane FMA/s = "
                          f"{mp['macs_per_s'] / 1e9:.0f} G fp32 MAC/s; {mp['macs_per_token'] / 1e9:.2f} G MACs per token")

@@ -176,11 +176,11 @@ def load():
             if fresh:
                 print(f"ultrafast: kernels compiled in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
             env_path = os.environ.get("ULTRAFAST_KERNELS_PATH", "").strip().lower()
-            if env_path in ("auto", "vnni", "fp32", "avx2", "scalar"):
+            if env_path in ("auto", "vnni", "fp32", "avx2", "avx2-fp32", "scalar"):
                 ext.set_kernels_path(env_path)
             elif env_path:
-                print(f"ultrafast: ignoring ULTRAFAST_KERNELS_PATH={env_path!r} (expected auto, vnni, fp32, avx2 "
-                      "or scalar)", file=sys.stderr, flush=True)
+                print(f"ultrafast: ignoring ULTRAFAST_KERNELS_PATH={env_path!r} (expected auto, vnni, fp32, avx2, "
+                      "avx2-fp32 or scalar)", file=sys.stderr, flush=True)
             if os.environ.get("ULTRAFAST_KERNELS_SCALAR", "") not in ("", "0"):
                 ext.set_force_scalar(True)
             _ext = ext
@@ -214,8 +214,8 @@ def vnni_supported() -> bool:
 
 def linear_path(qtype: int, act_bits: int = 16) -> str:
     """The kernels a linear of this GGML type runs on now with act_bits-bit activations ("vnni-int16", "avx2-int8",
-    "avx512-fp32", "avx2-fp32", "scalar"), or "" where none multiplies that type at that width (int8 activations
-    need the VNNI kernels or the AVX2 integer ones)."""
+    "avx2-int16", "avx512-fp32", "avx2-fp32", "scalar"), or "" where none multiplies that type at that width (int8
+    activations need the VNNI kernels or the AVX2 integer ones)."""
     return str(load().linear_path(int(qtype), int(act_bits))) if available() else ""
 
 
@@ -230,8 +230,9 @@ def path_in_use() -> str:
 
 
 def set_kernels_path(path: str) -> None:
-    """Choose the kernel path, process-wide: "auto" (= "vnni": best available), "fp32" (AVX-512, else AVX2),
-    "avx2" (the AVX2 kernels even where AVX-512 exists) or "scalar"."""
+    """Choose the kernel path, process-wide: "auto" (= "vnni": best available), "fp32" (the fp32 kernels at 16 bits:
+    AVX-512, else AVX2), "avx2" (the AVX2 kernels even where AVX-512 exists: their integer ones where they take the
+    type), "avx2-fp32" (the AVX2 kernels, the fp32 ones at 16 bits) or "scalar"."""
     load().set_kernels_path(str(path))
 
 

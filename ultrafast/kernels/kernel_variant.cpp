@@ -23,6 +23,9 @@ constexpr LinearOps kAvx512{"avx512-fp32", qmm_prep_bytes_avx512, qmm_prep_units
 constexpr LinearOps kAvx2{"avx2-fp32", qmm_prep_bytes_avx2, qmm_prep_units_avx2, qmm_prep_avx2, qmm_rows_avx2};
 constexpr LinearOps kAvx2Int8{"avx2-int8", qmm_prep_bytes_avx2_int8, qmm_prep_units_avx2_int8, qmm_prep_avx2_int8,
                               qmm_rows_avx2_int8};
+// the same kernels with 16-bit activations (their x8 argument false), for the types they multiply so
+constexpr LinearOps kAvx2Int16{"avx2-int16", qmm_prep_bytes_avx2_int8, qmm_prep_units_avx2_int8, qmm_prep_avx2_int8,
+                               qmm_rows_avx2_int8};
 constexpr LinearOps kVnni{"vnni-int16", qmm_prep_bytes_vnni, qmm_prep_units_vnni, qmm_prep_vnni, qmm_rows_vnni};
 
 bool avx512_cpu() {
@@ -52,18 +55,22 @@ const LinearOps* fp32_ops() {
   return avx2_cpu() ? &kAvx2 : nullptr;
 }
 
-// The AVX2 integer kernels for qt where int8 activations are asked (x8), this CPU has AVX2, the path in force is not
-// the scalar one and they multiply qt; else none.
-const LinearOps* avx2_int8_ops(int qt, bool x8) {
-  return x8 && fp32_ops() != nullptr && avx2_cpu() && qmm_avx2_int8_supports(qt) ? &kAvx2Int8 : nullptr;
+// The AVX2 integer kernels for qt: with int8 activations (x8) where this CPU has AVX2, the path in force is not the
+// scalar one and they multiply qt; with 16-bit ones where, besides, the fp32 linears in force are AVX2's (not AVX-512's)
+// and the process did not ask for the fp32 kernels (`fp32`, `avx2-fp32`); else none.
+const LinearOps* avx2_int_ops(int qt, bool x8) {
+  if (fp32_ops() == nullptr || !avx2_cpu()) return nullptr;
+  if (x8) return qmm_avx2_int8_supports(qt) ? &kAvx2Int8 : nullptr;
+  return fp32_ops() == &kAvx2 && !g_force_fp32.load(std::memory_order_relaxed) && qmm_avx2_int16_supports(qt)
+             ? &kAvx2Int16 : nullptr;
 }
 
 }  // namespace
 
 void request_path(PathRequest p) {
   g_force_scalar.store(p == PathRequest::Scalar);
-  g_force_fp32.store(p == PathRequest::Fp32);
-  g_force_avx2.store(p == PathRequest::Avx2);
+  g_force_fp32.store(p == PathRequest::Fp32 || p == PathRequest::Avx2Fp32);
+  g_force_avx2.store(p == PathRequest::Avx2 || p == PathRequest::Avx2Fp32);
 }
 
 void force_scalar(bool on) { g_force_scalar.store(on); }
@@ -80,10 +87,11 @@ const LinearOps* linear_ops(int qt, bool x8) {
   TypeInfo ti;
   if (!type_info(qt, &ti)) return nullptr;
   if (is_vnni_layout(qt)) {  // the layouts made at load: the VNNI kernels read them all, the AVX2 integer ones some
-    return vnni_in_use() ? &kVnni : avx2_int8_ops(qt, x8);
+    return vnni_in_use() ? &kVnni : avx2_int_ops(qt, x8);
   }
   if (qmm_vnni_supports(qt) && vnni_in_use()) return &kVnni;
-  if (x8 && qmm_vnni_supports(qt)) return avx2_int8_ops(qt, x8);  // int8 activations: the VNNI kernels, else AVX2's
+  if (x8 && qmm_vnni_supports(qt)) return avx2_int_ops(qt, x8);  // int8 activations: the VNNI kernels, else AVX2's
+  if (const LinearOps* i16 = avx2_int_ops(qt, x8)) return i16;  // 16-bit: AVX2's integer kernels where they take qt
   const LinearOps* f = fp32_ops();
   return f != nullptr ? f : &kScalar;
 }
@@ -91,7 +99,10 @@ const LinearOps* linear_ops(int qt, bool x8) {
 int layout_in_use(int qt, bool x8) {
   const int layout = vnni_layout(qt);
   if (layout < 0) return -1;
-  return linear_ops(layout, x8) != nullptr && linear_ops(layout, x8) == linear_ops(qt, x8) ? layout : -1;
+  const LinearOps* ops = linear_ops(layout, x8);
+  // where the kernels in force for qt read the layout too; and Q6_K_R16 on avx2-int16, which does not take Q6_K's file
+  // layout (its lanes would need an fp32 step per group there: Q6_K's own file layout stays on the fp32 kernels)
+  return ops != nullptr && (ops == linear_ops(qt, x8) || ops == &kAvx2Int16) ? layout : -1;
 }
 
 AttentionOp attention_op(int64_t hd) {

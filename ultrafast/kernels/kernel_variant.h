@@ -5,6 +5,7 @@
 //   avx512-fp32  AVX-512 dequantize-in-register + FMA (qmatmul_avx512.cpp), every type;
 //   avx2-fp32    the same scheme on AVX2 + FMA (qmatmul_avx2.cpp), every type, for CPUs without AVX-512;
 //   avx2-int8    AVX2 integer kernels for int8 x (qmatmul_avx2_int8.cpp), the quantized types, where VNNI is not in use;
+//   avx2-int16   the same kernels for int16 x, Q4_K and Q6_K (in their lane layouts), where avx2-fp32 is the fp32 path;
 //   scalar       portable loops (scalar.cpp), every type, any CPU.
 // A new variant (another ISA, an accelerator) is one more LinearOps table and one more case where the ops
 // are chosen. Every variant keeps the batch-invariance contract: y[r][n] is one fixed sequence of
@@ -45,9 +46,10 @@ using AttentionOp = void (*)(const float* q, int G, const float* kc, const float
 using GatedActOp = void (*)(float* g, const float* u, int64_t n);
 
 // The path requested for the process: auto (the fastest this CPU runs), fp32 (quantized types stay on the
-// fp32 kernels: AVX-512, else AVX2), avx2 (the AVX2 kernels even where AVX-512 exists) or scalar.
+// fp32 kernels at 16 bits: AVX-512, else AVX2), avx2 (the AVX2 kernels even where AVX-512 exists: the integer ones
+// where they take the type, else fp32), avx2-fp32 (the AVX2 kernels, fp32 ones at 16 bits) or scalar.
 // force_scalar is kept apart for tests that toggle it alone.
-enum class PathRequest : int { Auto = 0, Fp32 = 1, Scalar = 2, Avx2 = 3 };
+enum class PathRequest : int { Auto = 0, Fp32 = 1, Scalar = 2, Avx2 = 3, Avx2Fp32 = 4 };
 void request_path(PathRequest p);
 void force_scalar(bool on);
 

@@ -33,10 +33,13 @@ void register_sampling(pybind11::module_& m);  // sampling.cpp
 namespace {
 
 void set_kernels_path(const std::string& p) {
-  TORCH_CHECK_VALUE(p == "auto" || p == "vnni" || p == "fp32" || p == "avx2" || p == "scalar",
-                    "kernels path must be auto, vnni, fp32, avx2 or scalar, got '", p, "'");
-  request_path(p == "scalar" ? PathRequest::Scalar
-                             : (p == "fp32" ? PathRequest::Fp32 : (p == "avx2" ? PathRequest::Avx2 : PathRequest::Auto)));
+  TORCH_CHECK_VALUE(p == "auto" || p == "vnni" || p == "fp32" || p == "avx2" || p == "avx2-fp32" || p == "scalar",
+                    "kernels path must be auto, vnni, fp32, avx2, avx2-fp32 or scalar, got '", p, "'");
+  request_path(p == "scalar"      ? PathRequest::Scalar
+               : p == "fp32"      ? PathRequest::Fp32
+               : p == "avx2"      ? PathRequest::Avx2
+               : p == "avx2-fp32" ? PathRequest::Avx2Fp32
+                                  : PathRequest::Auto);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -580,7 +583,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "activation width, -1 where they read the file's bytes", py::arg("qtype"), py::arg("act_bits"));
   m.def("path_in_use", []() { return std::string(ultrafast::path_in_use()); },
         "vnni-int16, avx512-fp32, avx2-fp32 or scalar");
-  m.def("set_kernels_path", &ultrafast::set_kernels_path, "auto, vnni (= auto), fp32, avx2 or scalar; process-wide");
+  m.def("set_kernels_path", &ultrafast::set_kernels_path, "auto, vnni (= auto), fp32, avx2, avx2-fp32 or scalar; process-wide");
   m.def("vnni_multiply_peak", &ultrafast::vnni_multiply_peak, "vpdpbusd per second on `threads` threads (0: no VNNI)",
         py::arg("threads"), py::arg("iters") = 10000000, py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
   m.def("avx2_fma_peak", &ultrafast::avx2_fma_peak, "8-lane FMA per second on `threads` threads (0: no AVX2)",

@@ -1,5 +1,6 @@
-// AVX2 integer kernels for 8-bit activations: the "avx2-int8" linear ops, for CPUs without AVX-512 (Zen 1-3, most
-// Intel client parts), where the fp32 kernels (qmatmul_avx2.cpp) convert every weight to float and multiply in fp32.
+// AVX2 integer kernels for 8-bit activations (and 16-bit ones for the K-quants, below): the "avx2-int8" linear ops, for
+// CPUs without AVX-512 (Zen 1-3, most Intel client parts), where the fp32 kernels (qmatmul_avx2.cpp) convert every weight
+// to float and multiply in fp32.
 // Types: every quantized type in the file's layout: Q4_K and Q6_K (the Qwen2.5-Coder files' linears), and the
 // 32-value block types Q4_0, Q4_1, Q5_0, Q8_0 (SmolLM2's, the 0.5B's, a draft head's Q8_0 linears); and Q4_K and Q6_K in
 // the VNNI kernels' layouts made at load (QT_Q4_K_R2, QT_Q6_K_R16), which the engine gives these kernels
@@ -39,6 +40,15 @@
 // never change it. Results are not the VNNI path's bits (that path scales x per block of 32 for every type, and
 // differs in the order).
 //
+// 16-bit activations (the "avx2-int16" ops: the same functions with x8 false; Q4_K in either layout and Q6_K_R16, the
+// 16-bit path of the Qwen2.5-Coder files on these CPUs, where avx2-fp32 had run every 16-bit product): each row is
+// rounded to int16 per super-block of 256 (s = max|x| / 32639, as the VNNI kernels round per 32) and split into two
+// signed bytes, q = 256 * hi + lo, so the same weight vectors meet each byte plane in vpmaddubsw (the high plane's
+// int16 sums widened by 256 * sc, the low one's by sc, into the same exact int32 sums); the fp32 step as at int8
+// (Q6_K_R16: per half, where its int32 sums stay exact). Twice the multiplies of int8 a row, none of avx2-fp32's
+// conversions: on the 1.5B, Zen 3, 2 threads, decode 21.8 against 13.8 tok/s and r(8) 3.74 against 5.46 (`ultrafast
+// agentbench`'s r(k)); tiles of up to LANE_ROWS16 rows (two sums a row in registers).
+//
 // Compiled for the baseline ISA with a target pragma, entered only after avx2_usable(); no standard-library or
 // torch header (see qmatmul_kernels.h).
 #include "qmatmul_kernels.h"
@@ -66,18 +76,28 @@ namespace {
 // the float s. (320 bytes where both sums had places of their own, 384: the down projection's x, K = 8960, is read
 // from L2 at k >= 2, and its bytes are its time.)
 constexpr int64_t SBV = 256, XSB = 320, XS = 256, BS = 256, S = 288;
+// The same for 16-bit activations (P = 2 byte planes, avx2-int16): int16 q[256] as two signed byte planes, q = 256 * hi
+// + lo, hi[256] at 0 and lo[256] at LO (each in the order the int8 q takes above); at XS, Q4_K's 8 floats s * (sum of q
+// over sub-block j), or at BS (Q6_K) 16 int32 sums of q over each scale group; at S the float s.
+template <int P>
+struct Xp {
+  static constexpr int64_t SB = P == 1 ? 320 : 640, XS = P == 1 ? 256 : 512, BS = XS, S = P == 1 ? 288 : 576, LO = 256;
+};
 constexpr int RMAX = 8;  // activation rows a tile of the K-quants in the file's layouts (their integer sums in
                          // registers, their accumulators as they fall; the lane layouts take LANE_ROWS); the block
                          // types take up to 2 * RMAX (their weights in lanes, made once a tile)
 
 // The int8 scale of a block of x from its lanes' max |x| and NaN flags: s = max|x| / 127; NaN where the block holds a
 // NaN, inf where it holds an inf, so that the row's outputs are non-finite too (as on every path); 0 where all are 0.
-UF_INLINE float int8_scale(__m256 mx, __m256 nan) {
+// (int_scale: the same for another largest integer, 32639 for int16.)
+UF_INLINE float int_scale(__m256 mx, __m256 nan, float qmax) {
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  return _mm256_movemask_ps(nan) ? __builtin_nanf("") : _mm_cvtss_f32(m4) / 127.0f;
+  return _mm256_movemask_ps(nan) ? __builtin_nanf("") : _mm_cvtss_f32(m4) / qmax;
 }
+
+UF_INLINE float int8_scale(__m256 mx, __m256 nan) { return int_scale(mx, nan, 127.0f); }
 
 // layout: the type the rows hold. QT_Q4_K_R2: the first K / 512 * 2 super-blocks' q in the lane order of Q4_K's pairs: vector v (32 bytes),
 // int32 lane l holds values 4v..4v+3 of sub-block l (an 8 x 8 transpose of the 32-bit pieces); the rest in value order.
@@ -128,6 +148,73 @@ void prep_row(const float* x, int64_t K, uint8_t* out, int layout) {
         for (int h = 0; h < 2; ++h)
           for (int v = 0; v < 4; ++v)
             for (int l = 0; l < 8; ++l) d[8 * (4 * h + v) + l] = t[4 * (8 * h + l) + v];
+      }
+    }
+  }
+}
+
+// 16-bit activations (avx2-int16): the row rounded to int16 per super-block of 256 as the VNNI kernels round theirs per
+// block of 32, s = max|x| / 32639, q_i = rint(x_i / s) (q = 0 where max|x| = 0), and each q split into two signed bytes
+// q = 256 * hi + lo (lo in -128..127, so |hi| <= 127), each plane in the byte order prep_row gives the int8 q of this
+// layout (Xp<2>).
+void prep_row16(const float* x, int64_t K, uint8_t* out, int layout) {
+  using X = Xp<2>;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i b128 = _mm256_set1_epi32(128), b255 = _mm256_set1_epi32(255);
+  for (int64_t b = 0; b < K / SBV; ++b) {
+    const float* v = x + b * SBV;
+    uint8_t* o = out + b * X::SB;
+    __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int i = 0; i < SBV; i += 8) {
+      const __m256 xv = _mm256_loadu_ps(v + i);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, xv));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+    }
+    const float s = int_scale(mx, nan, 32639.0f);
+    const __m256 sv = _mm256_set1_ps(s > 0.0f ? s : 1.0f);
+    alignas(32) int32_t q[SBV];
+    for (int i = 0; i < SBV; i += 32) {
+      __m256i hi[4], lo[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(v + i + 8 * j), sv));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q + i + 8 * j), a);
+        lo[j] = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(a, b128), b255), b128);
+        hi[j] = _mm256_srai_epi32(_mm256_sub_epi32(a, lo[j]), 8);
+      }
+      const __m256i ph = _mm256_packs_epi16(_mm256_packs_epi32(hi[0], hi[1]), _mm256_packs_epi32(hi[2], hi[3]));
+      const __m256i pl = _mm256_packs_epi16(_mm256_packs_epi32(lo[0], lo[1]), _mm256_packs_epi32(lo[2], lo[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm256_permutevar8x32_epi32(ph, order));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + X::LO + i), _mm256_permutevar8x32_epi32(pl, order));
+    }
+    int64_t gs[16];  // sums of q over each group of 16 (64-bit: a NaN row's q are all INT32_MIN)
+    for (int g = 0; g < 16; ++g) {
+      int64_t sum = 0;
+      for (int i = 0; i < 16; ++i) sum += q[16 * g + i];
+      gs[g] = sum;
+    }
+    if (layout == QT_Q6_K_R16) {
+      int32_t bs[16];
+      for (int g = 0; g < 16; ++g) bs[g] = (int32_t)gs[g];
+      __builtin_memcpy(o + X::BS, bs, 64);
+    } else {
+      float* xs = reinterpret_cast<float*>(o + X::XS);
+      for (int j = 0; j < 8; ++j) xs[j] = s * (float)(gs[2 * j] + gs[2 * j + 1]);
+    }
+    __builtin_memcpy(o + X::S, &s, 4);
+    if ((layout == QT_Q4_K_R2 && b < K / 512 * 2) || layout == QT_Q6_K_R16) {
+      for (int64_t plane = 0; plane < 2; ++plane) {  // as prep_row
+        uint32_t t[64];
+        __builtin_memcpy(t, o + plane * X::LO, 256);
+        uint32_t* d = reinterpret_cast<uint32_t*>(o + plane * X::LO);
+        if (layout == QT_Q4_K_R2) {
+          for (int vv = 0; vv < 8; ++vv)
+            for (int l = 0; l < 8; ++l) d[8 * vv + l] = t[8 * l + vv];
+        } else {
+          for (int h = 0; h < 2; ++h)
+            for (int vv = 0; vv < 4; ++vv)
+              for (int l = 0; l < 8; ++l) d[8 * (4 * h + vv) + l] = t[4 * (8 * h + l) + vv];
+        }
       }
     }
   }
@@ -217,29 +304,32 @@ struct Q4KHeader {
   UF_INLINE __m128i scales() const { return _mm_setr_epi32((int)sc[0], (int)sc[1], 0, 0); }
   // The super-block's fp32 step for R rows (p: the header) from their exact int32 sums of sc_j * q_w . q_x:
   // acc += (d * s) * isum, then the mins: acc -= (dmin * m_j) * (s * sum of q over sub-block j).
-  template <int R>
+  template <int R, int P = 1>
   UF_INLINE void fp_step(const uint8_t* p, const uint8_t* xb, int64_t ldx, const __m256i* isum, __m256* acc) const {
     const __m256 d = _mm256_set1_ps(h2f(p));
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const uint8_t* x = xb + r * ldx;
-      const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + S)));
+      const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + Xp<P>::S)));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), t, acc[r]);
-      acc[r] = _mm256_fnmadd_ps(dm, _mm256_loadu_ps(reinterpret_cast<const float*>(x + XS)), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(dm, _mm256_loadu_ps(reinterpret_cast<const float*>(x + Xp<P>::XS)), acc[r]);
     }
   }
 };
 
 // Q4_K (144 bytes: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: 32-byte chunk c holds values
 // 64c..64c+31 in its low nibbles (sub-block 2c) and 64c+32..64c+63 in its high ones (sub-block 2c+1)).
-struct Q4K {
+template <int P>
+struct Q4KP {
   static constexpr int64_t BYTES = 144;
   static constexpr bool PAIRED = false;
+  static constexpr int PLANES = P;
   template <int R>
   static UF_INLINE void super_block(const uint8_t* p, const uint8_t* xb, int64_t ldx, __m256* acc) {
     const Q4KHeader hdr(p);
     const __m128i sc16 = _mm_cvtepu8_epi16(hdr.scales());
     const __m256i scw = _mm256_set_m128i(sc16, sc16);  // sc_0..7 as int16 in both lanes
+    const __m256i scw256 = _mm256_slli_epi16(scw, 8);  // 256 * sc (at most 16128): the high byte plane's (P = 2)
     const __m256i m0f = _mm256_set1_epi8(0x0F);
     __m256i sum[R];
 #pragma GCC unroll 4
@@ -249,18 +339,22 @@ struct Q4K {
       for (int h = 0; h < 2; ++h) {  // sub-block j = 2c + h
         const int j = 2 * c + h;
         const __m256i w = _mm256_and_si256(h ? _mm256_srli_epi16(Q, 4) : Q, m0f);
-        const __m256i sc = _mm256_shuffle_epi8(scw, word_mask(j, j));
+        const __m256i sc = _mm256_shuffle_epi8(P == 1 ? scw : scw256, word_mask(j, j));
+        const __m256i scl = _mm256_shuffle_epi8(scw, word_mask(j, j));
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(w, load256(xb + r * ldx + 32 * j)), sc);
+          const uint8_t* x = xb + r * ldx + 32 * j;
+          __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(w, load256(x)), sc);
+          if (P == 2) t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(w, load256(x + Xp<P>::LO)), scl));
           sum[r] = j == 0 ? t : _mm256_add_epi32(sum[r], t);
           __asm__("" : "+x"(sum[r]));  // summed as made: left free, GCC keeps all 32 products on the stack first
         }
       }
     }
-    hdr.fp_step<R>(p, xb, ldx, sum, acc);
+    hdr.fp_step<R, P>(p, xb, ldx, sum, acc);
   }
 };
+using Q4K = Q4KP<1>;
 
 // Q4_K in the VNNI kernels' pairs of super-blocks (QT_Q4_K_R2, made at load by qmm_repack_vnni; qmatmul_vnni.cpp's
 // KQ4K2): 288 bytes, the two 16-byte headers as in the file, then 4 chunks u of 64 bytes whose first 32 bytes hold
@@ -268,9 +362,14 @@ struct Q4K {
 // weight vector 2u) and 8u + 4 + j (high, vector 2u + 1). One sub-block per int32 lane, so a row's 8 products of a
 // super-block add as int16 (at most 8 * 2 * 15 * 127 = 30480: exact) and one vpmaddwd by the lanes' scales widens them:
 // 9 multiplies per 256 values and row where the file's layout takes 16 (its sub-blocks span whole vectors).
-struct Q4K2 {
+// 16-bit activations (P = 2): each plane's int16 sums as above (at most 8 * 2 * 15 * 128), widened by 256 * sc_l (the
+// high plane) and sc_l: the lane's exact sc_l * (q_w . q_x), at most 63 * 32 * 15 * 32639 < 2^31.
+template <int P>
+struct Q4K2P {
   static constexpr int64_t BYTES = 288;  // a pair
   static constexpr bool PAIRED = true;
+  static constexpr int PLANES = P;
+  using Tail = Q4KP<P>;  // an odd last super-block, in the file's layout
   template <int R>
   static UF_INLINE void half(const uint8_t* p, int h, const uint8_t* xb, int64_t ldx, __m256* acc) {
     const uint8_t* hd = p + 16 * h;
@@ -278,7 +377,7 @@ struct Q4K2 {
     const __m256i sc32 = _mm256_cvtepu8_epi32(hdr.scales());
     const __m256i scw = _mm256_or_si256(sc32, _mm256_slli_epi32(sc32, 16));  // sc_l in both words of lane l
     const __m256i m0f = _mm256_set1_epi8(0x0F);
-    __m256i sum[R];
+    __m256i sum[R], lo[P == 2 ? R : 1];
 #pragma GCC unroll 4
     for (int u = 0; u < 4; ++u) {
       const __m256i Q = load256(p + 32 + 64 * u + 32 * h);
@@ -288,17 +387,30 @@ struct Q4K2 {
         const __m256i w = _mm256_and_si256(hi ? _mm256_srli_epi16(Q, 4) : Q, m0f);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          const __m256i t = _mm256_maddubs_epi16(w, load256(xb + r * ldx + 32 * v));
+          const uint8_t* x = xb + r * ldx + 32 * v;
+          const __m256i t = _mm256_maddubs_epi16(w, load256(x));
           sum[r] = v == 0 ? t : _mm256_add_epi16(sum[r], t);
           __asm__("" : "+x"(sum[r]));
+          if constexpr (P == 2) {
+            const __m256i tl = _mm256_maddubs_epi16(w, load256(x + Xp<P>::LO));
+            lo[r] = v == 0 ? tl : _mm256_add_epi16(lo[r], tl);
+            __asm__("" : "+x"(lo[r]));
+          }
         }
       }
     }
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) sum[r] = _mm256_madd_epi16(sum[r], scw);  // widened: sc_l * (q_w . q_x) on lane l
-    hdr.fp_step<R>(hd, xb, ldx, sum, acc);
+    for (int r = 0; r < R; ++r) {  // widened: sc_l * (q_w . q_x) on lane l
+      if constexpr (P == 1) {
+        sum[r] = _mm256_madd_epi16(sum[r], scw);
+      } else {
+        sum[r] = _mm256_add_epi32(_mm256_madd_epi16(sum[r], _mm256_slli_epi16(scw, 8)), _mm256_madd_epi16(lo[r], scw));
+      }
+    }
+    hdr.fp_step<R, P>(hd, xb, ldx, sum, acc);
   }
 };
+using Q4K2 = Q4K2P<1>;
 
 // Q6_K (210 bytes: ql[128], qh[64], 16 int8 scales, d). Half h (values 128h..128h+127) reads ql + 64h and qh + 32h:
 // value 128h + 32c + l (l < 32) is (ql[l + 32 (c & 1)] >> 4 (c >> 1)) & 15 | ((qh[l] >> 2c) & 3) << 4; scale group
@@ -306,6 +418,7 @@ struct Q4K2 {
 struct Q6K {
   static constexpr int64_t BYTES = 210;
   static constexpr bool PAIRED = false;
+  static constexpr int PLANES = 1;
   template <int R>
   static UF_INLINE void super_block(const uint8_t* p, const uint8_t* xb, int64_t ldx, __m256* acc) {
     const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
@@ -359,11 +472,18 @@ struct Q6K {
 // (byte 4l + j, bits 2v..2v + 1: value 4v + j), then the 16 int8 scales in group order and d. A weight vector's int16
 // pair sums (at most 2 * 63 * 127) add two at a time, exact, before one vpmaddwd by the lanes' scales: 12 multiplies
 // per 256 values and row where the file's layout takes 16, and no scale shuffles. The -32 offset as in Q6K.
-struct Q6KR : Q6K {  // the file's bytes per super-block, and its fp32 step
+// 16-bit activations (P = 2): each plane's pair of vectors as above, widened by 256 * sc (the high plane; -32768 ..
+// 32512 fits a word) and sc into one int32 per lane, and each half's fp32 step on its own, the -32 offset taken off
+// first as 32 * sc_g * (sum of q over group g) (BS: int32 sums): the lane's sc_g * ((q_w - 32) . q_x) is exact, at
+// most 128 * 16 * 32 * 32640 < 2^31, where the sums of the two halves could pass 2^31.
+template <int P>
+struct Q6KRP : Q6K {  // the file's bytes per super-block, and its fp32 step
+  static constexpr int PLANES = P;
   template <int R>
   static UF_INLINE void super_block(const uint8_t* p, const uint8_t* xb, int64_t ldx, __m256* acc) {
     const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m128i sc8 = load128(p + 192);
+    const __m256 d = _mm256_set1_ps(h2f(p + 208));
     __m256i isum[R];
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
@@ -383,15 +503,33 @@ struct Q6KR : Q6K {  // the file's bytes per super-block, and its fp32 step
         for (int r = 0; r < R; ++r) {
           const uint8_t* x = xb + r * ldx + 32 * v;
           const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(wa, load256(x)), _mm256_maddubs_epi16(wb, load256(x + 32)));
-          const __m256i m = _mm256_madd_epi16(t, scw);
-          isum[r] = v == 0 ? m : _mm256_add_epi32(isum[r], m);
+          __m256i m;
+          if constexpr (P == 1) {
+            m = _mm256_madd_epi16(t, scw);
+          } else {
+            const uint8_t* xl = x + Xp<P>::LO;
+            const __m256i tl = _mm256_add_epi16(_mm256_maddubs_epi16(wa, load256(xl)),
+                                                _mm256_maddubs_epi16(wb, load256(xl + 32)));
+            m = _mm256_add_epi32(_mm256_madd_epi16(t, _mm256_slli_epi16(scw, 8)), _mm256_madd_epi16(tl, scw));
+          }
+          isum[r] = (P == 1 ? v == 0 : c == 0) ? m : _mm256_add_epi32(isum[r], m);
           __asm__("" : "+x"(isum[r]));
         }
       }
+      if constexpr (P == 2) {  // this half's fp32 step
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* x = xb + r * ldx;
+          const __m256i off = _mm256_slli_epi32(_mm256_mullo_epi32(sc32, load256(x + Xp<P>::BS + 32 * h)), 5);
+          const __m256 t = _mm256_mul_ps(d, _mm256_broadcast_ss(reinterpret_cast<const float*>(x + Xp<P>::S)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], off)), t, acc[r]);
+        }
+      }
     }
-    Q6K::fp_step<R>(p, xb, ldx, isum, acc);
+    if constexpr (P == 1) Q6K::fp_step<R>(p, xb, ldx, isum, acc);
   }
 };
+using Q6KR = Q6KRP<1>;
 
 // The 32-value block types. T::weights(p): a block's 32 weights as bytes in value order, signed integers (SIGNED) or
 // Q4_1's unsigned nibbles (the last nb % 8 blocks of a row). T::lanes(p, W): 8 blocks' weights (p: the first; BYTES
@@ -524,9 +662,9 @@ constexpr int ACC_IN_REGS = 8;
 
 // After a super-block (or half) of a tile of R rows: above ACC_IN_REGS rows the accumulators go to memory here (the
 // barrier takes their address), so that the integer sums keep the registers.
-template <int R>
+template <int R, int P = 1>
 UF_INLINE void accumulators_to_l1(__m256* acc) {
-  if constexpr (R > ACC_IN_REGS) __asm__ volatile("" : : "r"(acc) : "memory");
+  if constexpr (R * P > ACC_IN_REGS) __asm__ volatile("" : : "r"(acc) : "memory");
 }
 
 template <class T, int ROWS_ = RMAX>
@@ -536,22 +674,24 @@ struct SuperBlocks {  // Q4_K, Q6_K, and their layouts: units of 256 values
   template <int R>
   __attribute__((noinline)) static void row(const uint8_t* __restrict p, int64_t nsb, const uint8_t* __restrict xg,
                                             int64_t ldx, float* y, int64_t ldy) {
+    constexpr int PL = T::PLANES;
+    constexpr int64_t SB = Xp<PL>::SB;
     __m256 acc[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     if constexpr (T::PAIRED) {
       const int64_t np = nsb / 2;
       for (int64_t P = 0; P < np; ++P) {
-        T::template half<R>(p + P * T::BYTES, 0, xg + 2 * P * XSB, ldx, acc);
-        accumulators_to_l1<R>(acc);
-        T::template half<R>(p + P * T::BYTES, 1, xg + (2 * P + 1) * XSB, ldx, acc);
-        accumulators_to_l1<R>(acc);
+        T::template half<R>(p + P * T::BYTES, 0, xg + 2 * P * SB, ldx, acc);
+        accumulators_to_l1<R, PL>(acc);
+        T::template half<R>(p + P * T::BYTES, 1, xg + (2 * P + 1) * SB, ldx, acc);
+        accumulators_to_l1<R, PL>(acc);
       }
-      if (nsb % 2) Q4K::super_block<R>(p + np * T::BYTES, xg + 2 * np * XSB, ldx, acc);
+      if (nsb % 2) T::Tail::template super_block<R>(p + np * T::BYTES, xg + 2 * np * SB, ldx, acc);
     } else {
       for (int64_t b = 0; b < nsb; ++b) {
-        T::template super_block<R>(p + b * T::BYTES, xg + b * XSB, ldx, acc);
-        accumulators_to_l1<R>(acc);
+        T::template super_block<R>(p + b * T::BYTES, xg + b * SB, ldx, acc);
+        accumulators_to_l1<R, PL>(acc);
       }
     }
 #pragma GCC unroll 16
@@ -567,6 +707,8 @@ struct SuperBlocks {  // Q4_K, Q6_K, and their layouts: units of 256 values
 // 113-116 (k = 8: 85 against 89-91; a script timing `Engine.forward_batch` of k one-token sequences, alternated with
 // the build before, three pairs). The outputs are the same bits at any tile.
 constexpr int LANE_ROWS = 10;
+// 16-bit activations keep two int16 sums a row (the byte planes): tiles of up to LANE_ROWS16 rows.
+constexpr int LANE_ROWS16 = 4;
 
 template <class T>
 struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
@@ -725,24 +867,38 @@ bool qmm_avx2_int8_supports(int qtype) {
   return super_block_type(qtype) || qtype == QT_Q4_0 || qtype == QT_Q4_1 || qtype == QT_Q5_0 || qtype == QT_Q8_0;
 }
 
-int64_t qmm_prep_bytes_avx2_int8(int qtype, int64_t K, bool) {
-  return super_block_type(qtype) ? (K + SBV - 1) / SBV * XSB : block_prep_bytes(K);
+bool qmm_avx2_int16_supports(int qtype) {
+  return qtype == QT_Q4_K || qtype == QT_Q4_K_R2 || qtype == QT_Q6_K_R16;
+}
+
+int64_t qmm_prep_bytes_avx2_int8(int qtype, int64_t K, bool x8) {
+  return super_block_type(qtype) ? (K + SBV - 1) / SBV * (x8 ? XSB : Xp<2>::SB) : block_prep_bytes(K);
 }
 
 int64_t qmm_prep_units_avx2_int8(int, int64_t) { return 1; }
 
-void qmm_prep_avx2_int8(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool) {
+void qmm_prep_avx2_int8(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool x8) {
   if (u0 >= u1) return;
-  if (super_block_type(qtype))
+  if (!super_block_type(qtype))
+    prep_blocks(x, K, xg);
+  else if (x8)
     prep_row(x, K, xg, qtype);
   else
-    prep_blocks(x, K, xg);
+    prep_row16(x, K, xg, qtype);
 }
 
 bool qmm_rows_avx2_int8(int qtype, const uint8_t* xg, int64_t k, int64_t K, const uint8_t* w, int64_t rb, float* y,
-                        int64_t ldy, int64_t n0, int64_t n1, bool) {
-  const int64_t ldx = qmm_prep_bytes_avx2_int8(qtype, K, true);
+                        int64_t ldy, int64_t n0, int64_t n1, bool x8) {
+  const int64_t ldx = qmm_prep_bytes_avx2_int8(qtype, K, x8);
   if (K % (super_block_type(qtype) ? SBV : BV) != 0) return false;
+  if (!x8) {
+    switch (qtype) {
+      case QT_Q4_K: rows_impl<SuperBlocks<Q4KP<2>, LANE_ROWS16>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+      case QT_Q4_K_R2: rows_impl<SuperBlocks<Q4K2P<2>, LANE_ROWS16>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+      case QT_Q6_K_R16: rows_impl<SuperBlocks<Q6KRP<2>, LANE_ROWS16>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+      default: return false;
+    }
+  }
   switch (qtype) {
     case QT_Q4_K: rows_impl<SuperBlocks<Q4K>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
     case QT_Q4_K_R2: rows_impl<SuperBlocks<Q4K2, LANE_ROWS>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
@@ -769,6 +925,7 @@ bool qmm_rows_avx2_int8(int qtype, const uint8_t* xg, int64_t k, int64_t K, cons
 namespace ultrafast {
 int64_t avx2_madd_chains(int64_t) { return 0; }
 bool qmm_avx2_int8_supports(int) { return false; }
+bool qmm_avx2_int16_supports(int) { return false; }
 int64_t qmm_prep_bytes_avx2_int8(int, int64_t, bool) { return 0; }
 int64_t qmm_prep_units_avx2_int8(int, int64_t) { return 0; }
 void qmm_prep_avx2_int8(int, const float*, int64_t, uint8_t*, int64_t, int64_t, bool) {}
