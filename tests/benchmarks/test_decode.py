@@ -3,7 +3,7 @@ the shape and the invariants of the report are), and the r(k) measurement it sha
 
 import pytest
 
-from ultrafast.benchmarks.decode import format_table, run_bench
+from ultrafast.benchmarks.decode import acceptance_needed, format_table, run_bench
 from ultrafast.speculative import measure_r
 
 
@@ -80,3 +80,21 @@ def test_bench_picture(smollm_path, tmp_path):
     assert set(back["ultrafast"]["r_k"]) == {"1", "2", "3"}
     plot(back, tmp_path / "again.png")  # the JSON's string keys draw the same picture
     assert (tmp_path / "again.png").stat().st_size > 10_000
+
+
+def test_acceptance_needed():
+    """The acceptance per draft a chain needs for a speedup at given verify costs: a pass costing what k + 1 steps cost
+    can never pay; free rows need a = 0.5 for 2 tokens a pass at k -> large, less as k grows; costlier rows more."""
+    free = {k: 1.0 for k in range(1, 17)}
+    k, a = acceptance_needed(free, 2.0)
+    assert k == 15 and 0.5 < a < 0.51  # 1 + a + ... + a^15 = 2
+    assert acceptance_needed(free, 1.5)[1] < a < acceptance_needed(free, 3.0)[1]
+    assert acceptance_needed({k: float(k) for k in range(1, 17)}, 1.01) is None  # a row costs a step
+    steep = {k: 1.0 + 0.3 * (k - 1) for k in range(1, 17)}
+    assert acceptance_needed(steep, 2.0)[1] > a
+    k2, a2 = acceptance_needed(steep, 2.0, draft_cost=0.06)
+    assert a2 > acceptance_needed(steep, 2.0)[1]
+    # the chain at that acceptance gives the speedup
+    assert sum(a2 ** i for i in range(k2 + 1)) / (steep[k2 + 1] + 0.06 * k2) == pytest.approx(2.0, rel=1e-6)
+    with pytest.raises(ValueError):
+        acceptance_needed(free, 0.0)

@@ -240,6 +240,33 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
     }
 
 
+def acceptance_needed(r_k: dict, speedup: float, draft_cost: float = 0.0) -> tuple[int, float] | None:
+    """The lowest acceptance per draft at which a chain of k drafts, each accepted with that probability given the ones
+    before, reaches `speedup` over plain steps at these verify costs: tokens per pass (1 + a + ... + a^k) over the
+    pass's cost r(k + 1) + k * draft_cost (draft_cost in steps), the best k. (k, a), or None where no chain can (even
+    every draft accepted). What the tier's drafts must reach on a machine, whatever drafts them."""
+    if speedup <= 0 or draft_cost < 0:
+        raise ValueError(f"speedup must be > 0 and draft_cost >= 0, got {speedup!r}, {draft_cost!r}")
+    r = {int(k): float(v) for k, v in r_k.items()}
+    best = None
+    for k in sorted(r):
+        if k + 1 not in r:
+            continue
+        cost = r[k + 1] + k * draft_cost
+
+        def gain(a: float) -> float:
+            return sum(a ** i for i in range(k + 1)) / cost
+        if gain(1.0) < speedup:
+            continue
+        lo, hi = 0.0, 1.0
+        for _ in range(50):  # gain rises with a
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if gain(mid) < speedup else (lo, mid)
+        if best is None or hi < best[1]:
+            best = (k, hi)
+    return best
+
+
 def format_table(r: dict) -> str:
     us, lc = r["ultrafast"], r["llama_cpp"]
     t = r["threads"]
@@ -307,6 +334,16 @@ def format_table(r: dict) -> str:
                      + "   multiplies done / time, against the peak")
     if lc:
         lines.append("llama.cpp  " + "".join(f"{lc['r_k'][k]:6.2f}" for k in ks))
+
+    def needed(r_k: dict) -> str:
+        out = []
+        for s in (1.5, 2.0, 3.0):
+            a = acceptance_needed(r_k, s)
+            out.append(f"{s:g}x: {a[1]:.2f} (k = {a[0]})" if a else f"{s:g}x: none can")
+        return ", ".join(out)
+    lines.append(f"acceptance per draft a chain of k drafts needs, drafting free, at these r(k): {needed(us['r_k'])}")
+    if mp:
+        lines.append(f"{'':>42}at the physical r(k): {needed(mp['physical_r_k'])}")
     return "\n".join(lines)
 
 
