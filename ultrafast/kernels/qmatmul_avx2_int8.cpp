@@ -75,14 +75,14 @@ namespace {
 // of q over sub-block j of 32), or at BS (Q6_K, the same place), 16 int16 sums of q over each scale group of 16; at S,
 // the float s. (320 bytes where both sums had places of their own, 384: the down projection's x, K = 8960, is read
 // from L2 at k >= 2, and its bytes are its time.)
-constexpr int64_t SBV = 256, XSB = 320, XS = 256, BS = 256, S = 288;
-// The same for 16-bit activations (P = 2 byte planes, avx2-int16): int16 q[256] as two signed byte planes, q = 256 * hi
-// + lo, hi[256] at 0 and lo[256] at LO (each in the order the int8 q takes above); at XS, Q4_K's 8 floats s * (sum of q
-// over sub-block j), or at BS (Q6_K) 16 int32 sums of q over each scale group; at S the float s.
+// Xp<1>. With 16-bit activations (P = 2 byte planes, avx2-int16), Xp<2>: int16 q[256] as two signed byte planes, q =
+// 256 * hi + lo, hi[256] at 0 and lo[256] at LO (each in the order the int8 q takes); at XS, Q4_K's 8 floats s * (sum
+// of q over sub-block j), or at BS (Q6_K) 16 int32 sums of q over each scale group; at S the float s.
 template <int P>
 struct Xp {
   static constexpr int64_t SB = P == 1 ? 320 : 640, XS = P == 1 ? 256 : 512, BS = XS, S = P == 1 ? 288 : 576, LO = 256;
 };
+constexpr int64_t SBV = 256, XSB = Xp<1>::SB, XS = Xp<1>::XS, BS = Xp<1>::BS, S = Xp<1>::S;
 constexpr int RMAX = 8;  // activation rows a tile of the K-quants in the file's layouts (their integer sums in
                          // registers, their accumulators as they fall; the lane layouts take LANE_ROWS); the block
                          // types take up to 2 * RMAX (their weights in lanes, made once a tile)
@@ -99,23 +99,48 @@ UF_INLINE float int_scale(__m256 mx, __m256 nan, float qmax) {
 
 UF_INLINE float int8_scale(__m256 mx, __m256 nan) { return int_scale(mx, nan, 127.0f); }
 
+// The scale of the super-block of 256 values at v for integers up to qmax (127: int8, 32639: int16).
+UF_INLINE float super_block_scale(const float* v, float qmax) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int i = 0; i < SBV; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(v + i);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, xv));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));  // max drops NaN: noted apart
+  }
+  return int_scale(mx, nan, qmax);
+}
+
+// Whether super-block b of a row of K values is read in lanes (the layout's comment below) and, to_lanes, 256 bytes of q
+// in value order put in that lane order, in place.
+UF_INLINE bool in_lanes(int layout, int64_t b, int64_t K) {
+  return (layout == QT_Q4_K_R2 && b < K / 512 * 2) || layout == QT_Q6_K_R16;
+}
+
+void to_lanes(uint8_t* q, int layout) {
+  uint32_t t[64];  // t[8 l + v]: values 4v..4v+3 of sub-block l (Q4_K) / of groups 2l, 2l + 1 (Q6_K: v < 4, >= 4)
+  __builtin_memcpy(t, q, 256);
+  uint32_t* d = reinterpret_cast<uint32_t*>(q);
+  if (layout == QT_Q4_K_R2) {
+    for (int v = 0; v < 8; ++v)
+      for (int l = 0; l < 8; ++l) d[8 * v + l] = t[8 * l + v];
+  } else {  // value 16 g + 4 v + j is t[4 g + v]'s byte j
+    for (int h = 0; h < 2; ++h)
+      for (int v = 0; v < 4; ++v)
+        for (int l = 0; l < 8; ++l) d[8 * (4 * h + v) + l] = t[4 * (8 * h + l) + v];
+  }
+}
+
 // layout: the type the rows hold. QT_Q4_K_R2: the first K / 512 * 2 super-blocks' q in the lane order of Q4_K's pairs: vector v (32 bytes),
 // int32 lane l holds values 4v..4v+3 of sub-block l (an 8 x 8 transpose of the 32-bit pieces); the rest in value order.
 // QT_Q6_K_R16: every super-block's q in its lane order: vector 4h + v, int32 lane l holds values 4v..4v+3 of scale
 // group 8h + l (h = 0, 1; v = 0..3). Otherwise value order.
 void prep_row(const float* x, int64_t K, uint8_t* out, int layout) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < K / SBV; ++b) {
     const float* v = x + b * SBV;
     uint8_t* o = out + b * XSB;
-    __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-    for (int i = 0; i < SBV; i += 8) {
-      const __m256 xv = _mm256_loadu_ps(v + i);
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, xv));
-      nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));  // max drops NaN: noted apart
-    }
-    const float s = int8_scale(mx, nan);
+    const float s = super_block_scale(v, 127.0f);
     const __m256 sv = _mm256_set1_ps(s > 0.0f ? s : 1.0f);  // an all-zero super-block: q = 0
     for (int i = 0; i < SBV; i += 32) {  // rint(x / s) (the default rounding: to nearest even), int32 -> int8 in order
       __m256i a[4];
@@ -137,19 +162,7 @@ void prep_row(const float* x, int64_t K, uint8_t* out, int layout) {
       for (int j = 0; j < 8; ++j) xs[j] = s * (float)(bs[2 * j] + bs[2 * j + 1]);
     }
     __builtin_memcpy(o + S, &s, 4);
-    if ((layout == QT_Q4_K_R2 && b < K / 512 * 2) || layout == QT_Q6_K_R16) {
-      uint32_t t[64];  // t[8 l + v]: values 4v..4v+3 of sub-block l (Q4_K) / of groups 2l, 2l + 1 (Q6_K: v < 4, >= 4)
-      __builtin_memcpy(t, o, 256);
-      uint32_t* d = reinterpret_cast<uint32_t*>(o);
-      if (layout == QT_Q4_K_R2) {
-        for (int v = 0; v < 8; ++v)
-          for (int l = 0; l < 8; ++l) d[8 * v + l] = t[8 * l + v];
-      } else {  // value 16 g + 4 v + j is t[4 g + v]'s byte j
-        for (int h = 0; h < 2; ++h)
-          for (int v = 0; v < 4; ++v)
-            for (int l = 0; l < 8; ++l) d[8 * (4 * h + v) + l] = t[4 * (8 * h + l) + v];
-      }
-    }
+    if (in_lanes(layout, b, K)) to_lanes(o, layout);
   }
 }
 
@@ -159,19 +172,12 @@ void prep_row(const float* x, int64_t K, uint8_t* out, int layout) {
 // layout (Xp<2>).
 void prep_row16(const float* x, int64_t K, uint8_t* out, int layout) {
   using X = Xp<2>;
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const __m256i b128 = _mm256_set1_epi32(128), b255 = _mm256_set1_epi32(255);
   for (int64_t b = 0; b < K / SBV; ++b) {
     const float* v = x + b * SBV;
     uint8_t* o = out + b * X::SB;
-    __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-    for (int i = 0; i < SBV; i += 8) {
-      const __m256 xv = _mm256_loadu_ps(v + i);
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, xv));
-      nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
-    }
-    const float s = int_scale(mx, nan, 32639.0f);
+    const float s = super_block_scale(v, 32639.0f);
     const __m256 sv = _mm256_set1_ps(s > 0.0f ? s : 1.0f);
     alignas(32) int32_t q[SBV];
     for (int i = 0; i < SBV; i += 32) {
@@ -202,20 +208,9 @@ void prep_row16(const float* x, int64_t K, uint8_t* out, int layout) {
       for (int j = 0; j < 8; ++j) xs[j] = s * (float)(gs[2 * j] + gs[2 * j + 1]);
     }
     __builtin_memcpy(o + X::S, &s, 4);
-    if ((layout == QT_Q4_K_R2 && b < K / 512 * 2) || layout == QT_Q6_K_R16) {
-      for (int64_t plane = 0; plane < 2; ++plane) {  // as prep_row
-        uint32_t t[64];
-        __builtin_memcpy(t, o + plane * X::LO, 256);
-        uint32_t* d = reinterpret_cast<uint32_t*>(o + plane * X::LO);
-        if (layout == QT_Q4_K_R2) {
-          for (int vv = 0; vv < 8; ++vv)
-            for (int l = 0; l < 8; ++l) d[8 * vv + l] = t[8 * l + vv];
-        } else {
-          for (int h = 0; h < 2; ++h)
-            for (int vv = 0; vv < 4; ++vv)
-              for (int l = 0; l < 8; ++l) d[8 * (4 * h + vv) + l] = t[4 * (8 * h + l) + vv];
-        }
-      }
+    if (in_lanes(layout, b, K)) {
+      to_lanes(o, layout);
+      to_lanes(o + X::LO, layout);
     }
   }
 }
