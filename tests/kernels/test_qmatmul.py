@@ -559,7 +559,7 @@ def test_avx2_int8_activations_are_exact_products_of_the_rounded_x(avx2_int8, qt
     block of 32 for the others, its Q8_0) and multiplies it with the file's integers exactly: the output equals
     rounded-x @ dequant(W).T to fp32 summation error."""
     assert uk.linear_path(qtype, 8) == "avx2-int8"
-    assert uk.linear_path(qtype, 16) == ("avx2-int16" if qtype == uk.Q4_K else "avx2-fp32")
+    assert uk.linear_path(qtype, 16) == ("avx2-fp32" if qtype == uk.Q6_K else "avx2-int16")
     block = AVX2_INT8_BLOCK[qtype]
     for i, k in enumerate(K_VALUES[qtype]):
         raw = random_weight(qtype, 29, k, seed=20 + i)
@@ -627,30 +627,34 @@ def test_avx2_int8_reads_the_k_quants_in_lanes(avx2_int8, qtype, layout):
 # 16-bit activations on the AVX2 integer kernels (avx2-int16: Q4_K and the two lane layouts; x rounded to int16 per
 # super-block of 256 and multiplied as two signed byte planes)
 
-def _round_int16(x: torch.Tensor, block: int = 256) -> torch.Tensor:
-    """x rounded per block as avx2-int16 does: s = max|x| / 32639 in fp32, q = rint(x / s) in fp32."""
+def _round_int16(x: torch.Tensor, block: int = 256, qmax: float = 32639.0) -> torch.Tensor:
+    """x rounded per block as avx2-int16 does: s = max|x| / qmax in fp32 (the K-quants: 256 values, 32639; the blocks
+    of 32: 32385), q = rint(x / s) in fp32."""
     xb = x.reshape(-1, block)
-    s = xb.abs().amax(-1, keepdim=True) / 32639.0
+    s = xb.abs().amax(-1, keepdim=True) / qmax
     q = torch.where(s > 0, torch.round(xb / torch.where(s > 0, s, torch.ones_like(s))), torch.zeros_like(xb))
     return (q.double() * s.double()).reshape(x.shape)
 
 
-def test_avx2_int16_is_the_16_bit_path_for_the_k_quants(avx2_int8):
-    """On the AVX2 path, 16-bit activations take the integer kernels for Q4_K and Q6_K in their lanes (the layouts made
-    at load), the fp32 ones for the other types and for Q6_K's file layout; `avx2-fp32` and `fp32` keep them all on the
-    fp32 kernels; int8 is unchanged."""
+def test_avx2_int16_is_the_16_bit_path_for_the_quantized_types(avx2_int8):
+    """On the AVX2 path, 16-bit activations take the integer kernels for every quantized type but Q6_K's file layout:
+    Q4_K and Q6_K in their lanes (the layouts made at load), the blocks of 32 in the file's layout; the fp32 kernels for
+    Q6_K's file layout and the float types; `avx2-fp32` and `fp32` keep them all on the fp32 kernels; int8 is
+    unchanged."""
     assert uk.linear_path(uk.Q4_K, 16) == "avx2-int16" and uk.linear_path(uk.Q4_K_R2, 16) == "avx2-int16"
     assert uk.linear_path(uk.Q6_K_R16, 16) == "avx2-int16" and uk.linear_path(uk.Q6_K, 16) == "avx2-fp32"
     assert uk.layout_in_use(uk.Q4_K, 16) == uk.Q4_K_R2 and uk.layout_in_use(uk.Q6_K, 16) == uk.Q6_K_R16
-    for t in (uk.Q4_0, uk.Q4_1, uk.Q5_0, uk.Q8_0, uk.F32):
-        assert uk.linear_path(t, 16) == "avx2-fp32" and uk.layout_in_use(t, 16) is None
+    for t in (uk.Q4_0, uk.Q4_1, uk.Q5_0, uk.Q8_0):
+        assert uk.linear_path(t, 16) == "avx2-int16" and uk.layout_in_use(t, 16) is None
+    assert uk.linear_path(uk.F32, 16) == "avx2-fp32" and uk.layout_in_use(uk.F32, 16) is None
     try:
         for request in ("avx2-fp32", "fp32"):
             uk.set_kernels_path(request)
             if request == "fp32" and uk.load().avx512_supported():
                 continue  # the AVX-512 fp32 kernels there
-            assert uk.linear_path(uk.Q4_K, 16) == "avx2-fp32" and uk.layout_in_use(uk.Q4_K, 16) is None
-            assert uk.linear_path(uk.Q4_K, 8) == "avx2-int8"
+            for t in (uk.Q4_K, uk.Q4_0, uk.Q8_0):
+                assert uk.linear_path(t, 16) == "avx2-fp32" and uk.layout_in_use(t, 16) is None
+                assert uk.linear_path(t, 8) == "avx2-int8"
     finally:
         uk.set_kernels_path("avx2")
 
@@ -687,6 +691,42 @@ def test_avx2_int16_activations_are_exact_products_of_the_rounded_x(avx2_int8, q
             assert torch.equal(uk.qmatmul(x[:9], bytes_, layout, k), singles[:9])
         y8 = uk.qmatmul(x, bytes_, layout, k, act_bits=8)
         assert (y8 - y).abs().max() > 10 * (y.double() - ref).abs().max()  # not the int8 path's result
+
+
+@pytest.mark.parametrize("qtype", [uk.Q4_0, uk.Q4_1, uk.Q5_0, uk.Q8_0], ids=lambda t: NAMES[t])
+def test_avx2_int16_blocks_are_exact_products_of_the_rounded_x(avx2_int8, qtype):
+    """The blocks of 32 at 16 bits: x rounded to int16 per block (s = max|x| / 32385, so that both byte planes of
+    q = 255 * hi + lo stay in -127..127, which Q8_0's vpsignb needs) and multiplied with the file's integers exactly:
+    rounded-x @ dequant(W).T to fp32 summation error, within the int16 rounding of the fp32 product, batch-invariant
+    at any tile and schedule, and not the int8 result. K: the type's values in these tests (one block; groups of 8
+    with blocks left over, which go one at a time)."""
+    for i, k in enumerate(K_VALUES[qtype]):
+        raw = random_weight(qtype, 29, k, seed=80 + i)
+        if qtype == uk.Q8_0:
+            raw.reshape(29, -1, 34)[3, 0, 2:] = 0x80  # the byte -128
+        w = dequant(raw, qtype, k).double()
+        x = torch.randn(19, k, generator=torch.Generator().manual_seed(i))
+        x[1, :32] = 0.0  # an all-zero block
+        x[2, -32:] *= 1e-3  # a block far smaller than the others
+        x[3, :] = -torch.linspace(1.0, 2.0, k)  # every q negative, one at -32385 in each block
+        x[4, :] = torch.linspace(1.0, 2.0, k)  # and positive
+        y = uk.qmatmul(x, torch.from_numpy(raw), qtype, k)
+        ref = _round_int16(x, 32, 32385.0) @ w.T
+        scale = x.double().abs() @ w.abs().T
+        assert ((y.double() - ref).abs() <= 2e-6 * scale + 1e-30).all(), f"K={k}"
+        assert ((y.double() - x.double() @ w.T).abs() <= RTOL_VNNI * scale + 1e-30).all(), f"K={k}"
+        singles = torch.cat([uk.qmatmul(x[j:j + 1], torch.from_numpy(raw), qtype, k) for j in range(19)])
+        for rows in (2, 3, 5, 8, 9, 16, 19):
+            assert torch.equal(uk.qmatmul(x[:rows], torch.from_numpy(raw), qtype, k), singles[:rows]), (k, rows)
+        with num_threads(1):
+            assert torch.equal(uk.qmatmul(x[:9], torch.from_numpy(raw), qtype, k), singles[:9])
+        y8 = uk.qmatmul(x, torch.from_numpy(raw), qtype, k, act_bits=8)
+        assert (y8 - y).abs().max() > 10 * (y.double() - ref).abs().max()  # not the int8 path's result
+
+
+@pytest.mark.parametrize("qtype", [uk.Q4_0, uk.Q4_1, uk.Q5_0, uk.Q8_0], ids=lambda t: NAMES[t])
+def test_avx2_int16_blocks_non_finite_inputs_propagate(avx2_int8, qtype):
+    check_non_finite_inputs_propagate(qtype)
 
 
 @pytest.mark.parametrize("layout", [uk.Q4_K_R2, uk.Q6_K_R16], ids=["Q4_K_R2", "Q6_K_R16"])

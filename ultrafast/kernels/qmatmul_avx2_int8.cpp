@@ -219,18 +219,33 @@ void prep_row16(const float* x, int64_t K, uint8_t* out, int layout) {
 // nb % 8 != 0, the other blocks in block order (GB bytes). A group in lanes: 8 vectors of 32 bytes, vector v's int32
 // lane l holding q values 4v..4v+3 of block l; at LS, 8 floats s_l; at LSS, 8 floats s_l * (sum of q over block l);
 // at LSUM, 8 int32 sums of q. The last blocks: int8 q[256] (block j's at 32 j); at GS, 8 floats s_j; at GSS, 8 floats
-// s_j * (sum of q over j) (0 past the row: read, as 0 * 0, by Q4_1's mins).
-constexpr int64_t BV = 32, LG = 384, LS = 256, LSS = 288, LSUM = 320, GB = 320, GS = 256, GSS = 288;
+// s_j * (sum of q over j) (0 past the row: read, as 0 * 0, by Q4_1's mins). Bp<1>.
+// With 16-bit activations (avx2-int16), Bp<2>: x rounded to int16 per block of 32 with s = max|x| / 32385 and each q
+// split into two signed bytes q = 255 * hi + lo, both in -127..127 (|x| <= 127 * 255 = 32385: Q8_0's weights meet x
+// through vpsignb, which cannot negate -128); the high plane where the int8 q is, the low one LO bytes after it.
+template <int P>
+struct Bp {
+  static constexpr int64_t LO = 256, LG = P == 1 ? 384 : 640, LS = P == 1 ? 256 : 512, LSS = LS + 32, LSUM = LS + 64,
+                           GB = P == 1 ? 320 : 576, GS = LS, GSS = LS + 32;
+  static constexpr float QMAX = P == 1 ? 127.0f : 32385.0f;
+};
+constexpr int64_t BV = 32, LG = Bp<1>::LG, LS = Bp<1>::LS, LSS = Bp<1>::LSS, LSUM = Bp<1>::LSUM, GB = Bp<1>::GB,
+                  GS = Bp<1>::GS, GSS = Bp<1>::GSS;
 
-UF_INLINE int64_t block_prep_bytes(int64_t K) { return K / BV / 8 * LG + (K / BV % 8 != 0 ? GB : 0); }
+template <int P>
+UF_INLINE int64_t block_prep_bytes(int64_t K) {
+  return K / BV / 8 * Bp<P>::LG + (K / BV % 8 != 0 ? Bp<P>::GB : 0);
+}
 
+template <int P>
 void prep_blocks(const float* x, int64_t K, uint8_t* out) {
+  using X = Bp<P>;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const int64_t nb = K / BV, whole = nb / 8 * 8;
-  uint8_t* tail = out + nb / 8 * LG;
-  if (nb != whole) __builtin_memset(tail + GS, 0, GB - GS);
-  alignas(32) int8_t q[32];
+  uint8_t* tail = out + nb / 8 * X::LG;
+  if (nb != whole) __builtin_memset(tail + X::GS, 0, X::GB - X::GS);
+  alignas(32) int8_t q[2][32];  // the int8 q (P = 1), or the high and low planes
   for (int64_t b = 0; b < nb; ++b) {
     const float* v = x + b * BV;
     __m256 xv[4], mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
@@ -239,27 +254,43 @@ void prep_blocks(const float* x, int64_t K, uint8_t* out) {
       mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, xv[j]));
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv[j], xv[j], _CMP_UNORD_Q));
     }
-    const float s = int8_scale(mx, nan);
+    const float s = int_scale(mx, nan, X::QMAX);
     const __m256 sv = _mm256_set1_ps(s > 0.0f ? s : 1.0f);
-    __m256i a[4];
+    __m256i a[4], hi[4];
     for (int j = 0; j < 4; ++j) a[j] = _mm256_cvtps_epi32(_mm256_div_ps(xv[j], sv));
+    int64_t sum = 0;  // of q (64-bit: a NaN block's int16 q are all INT32_MIN)
+    if (P == 2) {
+      alignas(32) int32_t qi[32];
+      for (int j = 0; j < 4; ++j) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(qi + 8 * j), a[j]);
+        // hi = floor((q + 127) / 255) (exact in fp32: q + 127 <= 32512), lo = q - 255 hi in -127..127
+        hi[j] = _mm256_cvtps_epi32(_mm256_floor_ps(_mm256_div_ps(
+            _mm256_cvtepi32_ps(_mm256_add_epi32(a[j], _mm256_set1_epi32(127))), _mm256_set1_ps(255.0f))));
+        a[j] = _mm256_sub_epi32(a[j], _mm256_mullo_epi32(hi[j], _mm256_set1_epi32(255)));
+      }
+      for (int i = 0; i < 32; ++i) sum += qi[i];
+      const __m256i ph = _mm256_packs_epi16(_mm256_packs_epi32(hi[0], hi[1]), _mm256_packs_epi32(hi[2], hi[3]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q[0]), _mm256_permutevar8x32_epi32(ph, order));
+    }
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p, order));
-    int32_t sum = 0;
-    for (int i = 0; i < 32; ++i) sum += q[i];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q[P - 1]), _mm256_permutevar8x32_epi32(p, order));
+    if (P == 1)
+      for (int i = 0; i < 32; ++i) sum += q[0][i];
+    const int32_t sum32 = (int32_t)sum;
     const float ss = s * (float)sum;
     if (b < whole) {
-      uint8_t* o = out + b / 8 * LG;
+      uint8_t* o = out + b / 8 * X::LG;
       const int l = (int)(b & 7);
-      for (int vv = 0; vv < 8; ++vv) __builtin_memcpy(o + 32 * vv + 4 * l, q + 4 * vv, 4);
-      __builtin_memcpy(o + LS + 4 * l, &s, 4);
-      __builtin_memcpy(o + LSS + 4 * l, &ss, 4);
-      __builtin_memcpy(o + LSUM + 4 * l, &sum, 4);
+      for (int pl = 0; pl < P; ++pl)
+        for (int vv = 0; vv < 8; ++vv) __builtin_memcpy(o + pl * X::LO + 32 * vv + 4 * l, q[pl] + 4 * vv, 4);
+      __builtin_memcpy(o + X::LS + 4 * l, &s, 4);
+      __builtin_memcpy(o + X::LSS + 4 * l, &ss, 4);
+      __builtin_memcpy(o + X::LSUM + 4 * l, &sum32, 4);
     } else {
       const int j = (int)(b - whole);
-      __builtin_memcpy(tail + 32 * j, q, 32);
-      __builtin_memcpy(tail + GS + 4 * j, &s, 4);
-      __builtin_memcpy(tail + GSS + 4 * j, &ss, 4);
+      for (int pl = 0; pl < P; ++pl) __builtin_memcpy(tail + pl * X::LO + 32 * j, q[pl], 32);
+      __builtin_memcpy(tail + X::GS + 4 * j, &s, 4);
+      __builtin_memcpy(tail + X::GSS + 4 * j, &ss, 4);
     }
   }
 }
@@ -705,10 +736,42 @@ constexpr int LANE_ROWS = 10;
 // 16-bit activations keep two int16 sums a row (the byte planes): tiles of up to LANE_ROWS16 rows.
 constexpr int LANE_ROWS16 = 4;
 
-template <class T>
+// P = 2 (16-bit activations): each row's plane sums as above, high and low, made into one exact int32 sum per lane,
+// 255 * high + low (at most 32 * 128 * 32385 < 2^31), before the offsets and the same fp32 step.
+template <class T, int P = 1>
 struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
   static constexpr int64_t VALUES = BV;
   static constexpr int ROWS = 2 * RMAX;
+  using X = Bp<P>;
+
+  // 255 * hi + lo, exact
+  static UF_INLINE __m256i planes(__m256i hi, __m256i lo) {
+    return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 8), hi), lo);
+  }
+
+  // One plane of a row's lane group (x: its 8 vectors) against the group's weights: per lane, the exact int32 sum of
+  // the block's products (without Q4_0's and Q5_0's offsets).
+  static UF_INLINE __m256i plane_sum(const uint8_t* x, const __m256i* W, const __m256i* A) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i isum = _mm256_setzero_si256();
+    if (T::SPAN == 1) {
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v) {
+        const __m256i xv = _mm256_sign_epi8(load256(x + 32 * v), W[v]);
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(A[v], xv), ones));
+      }
+    } else {
+#pragma GCC unroll 2
+      for (int v0 = 0; v0 < 8; v0 += T::SPAN) {
+        __m256i s16 = _mm256_maddubs_epi16(W[v0], load256(x + 32 * v0));
+#pragma GCC unroll 8
+        for (int v = v0 + 1; v < v0 + T::SPAN; ++v)
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(W[v], load256(x + 32 * v)));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, ones));
+      }
+    }
+    return isum;
+  }
 
   // A whole group of 8 blocks (p: its first) against the R rows' lane groups (xg, ldx apart): per row the int32 sum of
   // each block on its lane (exact: int16 pair sums added SPAN vectors at a time, then widened), one convert and one
@@ -723,32 +786,16 @@ struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
     }
     const __m256 d = halves8<T::BYTES>(p, 0);
     const __m256 m = T::MINS ? halves8<T::BYTES>(p, 2) : _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const uint8_t* x = xg + r * ldx;
-      __m256i isum = _mm256_setzero_si256();
-      if (T::SPAN == 1) {
-#pragma GCC unroll 8
-        for (int v = 0; v < 8; ++v) {
-          const __m256i xv = _mm256_sign_epi8(load256(x + 32 * v), W[v]);
-          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(A[v], xv), ones));
-        }
-      } else {
-#pragma GCC unroll 2
-        for (int v0 = 0; v0 < 8; v0 += T::SPAN) {
-          __m256i s16 = _mm256_maddubs_epi16(W[v0], load256(x + 32 * v0));
-#pragma GCC unroll 8
-          for (int v = v0 + 1; v < v0 + T::SPAN; ++v)
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(W[v], load256(x + 32 * v)));
-          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, ones));
-        }
-        if (T::OFF != 0)  // OFF * (sum of q) on each block's lane (OFF = 8 or 16)
-          isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(load256(x + LSUM), T::OFF == 8 ? 3 : 4));
-      }
-      const __m256 ds = _mm256_mul_ps(d, _mm256_loadu_ps(reinterpret_cast<const float*>(x + LS)));
+      __m256i isum = plane_sum(x, W, A);
+      if (P == 2) isum = planes(isum, plane_sum(x + X::LO, W, A));
+      if (T::OFF != 0)  // OFF * (sum of q) on each block's lane (OFF = 8 or 16)
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(load256(x + X::LSUM), T::OFF == 8 ? 3 : 4));
+      const __m256 ds = _mm256_mul_ps(d, _mm256_loadu_ps(reinterpret_cast<const float*>(x + X::LS)));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), ds, acc[r]);
-      if (T::MINS) acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(reinterpret_cast<const float*>(x + LSS)), acc[r]);
+      if (T::MINS) acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(reinterpret_cast<const float*>(x + X::LSS)), acc[r]);
     }
   }
 
@@ -759,9 +806,9 @@ struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const int64_t whole = nb / 8 * 8;
-    for (int64_t g = 0; g < whole / 8; ++g) group<R>(p + 8 * g * T::BYTES, xg + g * LG, ldx, acc);
+    for (int64_t g = 0; g < whole / 8; ++g) group<R>(p + 8 * g * T::BYTES, xg + g * X::LG, ldx, acc);
     // the last nb % 8 blocks, one at a time
-    const uint8_t* xt = xg + whole / 8 * LG;
+    const uint8_t* xt = xg + whole / 8 * X::LG;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = whole; b < nb; ++b) {
       const uint8_t* blk = p + b * T::BYTES;
@@ -769,14 +816,19 @@ struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
       const __m256i uw = T::SIGNED ? _mm256_abs_epi8(w) : w;
       const __m256 d = _mm256_set1_ps(h2f(blk));
       const uint8_t* xq = xt + 32 * (b - whole);
-      const float* xs = reinterpret_cast<const float*>(xt + GS + 4 * (b - whole));
+      const float* xs = reinterpret_cast<const float*>(xt + X::GS + 4 * (b - whole));
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        __m256i xv = load256(xq + r * ldx);
-        if (T::SIGNED) xv = _mm256_sign_epi8(xv, w);
-        const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xv), ones);
+        __m256i t[P];
+#pragma GCC unroll 2
+        for (int pl = 0; pl < P; ++pl) {
+          __m256i xv = load256(xq + r * ldx + pl * X::LO);
+          if (T::SIGNED) xv = _mm256_sign_epi8(xv, w);
+          t[pl] = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xv), ones);
+        }
+        const __m256i it = P == 2 ? planes(t[0], t[P - 1]) : t[0];
         const __m256 ds = _mm256_mul_ps(d, _mm256_broadcast_ss(xs + r * (ldx / 4)));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), ds, acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(it), ds, acc[r]);
         __asm__("" : "+x"(acc[r]));
       }
     }
@@ -784,7 +836,7 @@ struct Blocks {  // Q4_0, Q4_1, Q5_0, Q8_0: units of 32 values
       const __m256 m = halves8<T::BYTES>(p + whole * T::BYTES, 2, nb - whole);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(reinterpret_cast<const float*>(xt + GSS + r * ldx)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(reinterpret_cast<const float*>(xt + X::GSS + r * ldx)), acc[r]);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]);
@@ -863,11 +915,13 @@ bool qmm_avx2_int8_supports(int qtype) {
 }
 
 bool qmm_avx2_int16_supports(int qtype) {
-  return qtype == QT_Q4_K || qtype == QT_Q4_K_R2 || qtype == QT_Q6_K_R16;
+  return qtype == QT_Q4_K || qtype == QT_Q4_K_R2 || qtype == QT_Q6_K_R16 || qtype == QT_Q4_0 || qtype == QT_Q4_1 ||
+         qtype == QT_Q5_0 || qtype == QT_Q8_0;
 }
 
 int64_t qmm_prep_bytes_avx2_int8(int qtype, int64_t K, bool x8) {
-  return super_block_type(qtype) ? (K + SBV - 1) / SBV * (x8 ? XSB : Xp<2>::SB) : block_prep_bytes(K);
+  if (super_block_type(qtype)) return (K + SBV - 1) / SBV * (x8 ? XSB : Xp<2>::SB);
+  return x8 ? block_prep_bytes<1>(K) : block_prep_bytes<2>(K);
 }
 
 int64_t qmm_prep_units_avx2_int8(int, int64_t) { return 1; }
@@ -875,7 +929,7 @@ int64_t qmm_prep_units_avx2_int8(int, int64_t) { return 1; }
 void qmm_prep_avx2_int8(int qtype, const float* x, int64_t K, uint8_t* xg, int64_t u0, int64_t u1, bool x8) {
   if (u0 >= u1) return;
   if (!super_block_type(qtype))
-    prep_blocks(x, K, xg);
+    x8 ? prep_blocks<1>(x, K, xg) : prep_blocks<2>(x, K, xg);
   else if (x8)
     prep_row(x, K, xg, qtype);
   else
@@ -891,6 +945,10 @@ bool qmm_rows_avx2_int8(int qtype, const uint8_t* xg, int64_t k, int64_t K, cons
       case QT_Q4_K: rows_impl<SuperBlocks<Q4KP<2>, LANE_ROWS16>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
       case QT_Q4_K_R2: rows_impl<SuperBlocks<Q4K2P<2>, LANE_ROWS16>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
       case QT_Q6_K_R16: rows_impl<SuperBlocks<Q6KRP<2>, LANE_ROWS16>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+      case QT_Q4_0: rows_impl<Blocks<Q4_0B, 2>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+      case QT_Q4_1: rows_impl<Blocks<Q4_1B, 2>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+      case QT_Q5_0: rows_impl<Blocks<Q5_0B, 2>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
+      case QT_Q8_0: rows_impl<Blocks<Q8_0B, 2>>(xg, k, K, ldx, w, rb, y, ldy, n0, n1); return true;
       default: return false;
     }
   }
