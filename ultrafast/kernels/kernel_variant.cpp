@@ -96,6 +96,15 @@ const LinearOps* linear_ops(int qt, bool x8) {
   return f != nullptr ? f : &kScalar;
 }
 
+const char* no_linear_ops_why(int qt, bool x8) {
+  TypeInfo ti;
+  if (!type_info(qt, &ti)) return "unsupported GGML type";
+  if (is_vnni_layout(qt))
+    return "the kernels' own layouts (Q4_K_R2, *_R16) are read by the VNNI kernels and, where they take them, the AVX2 "
+           "integer kernels, not by the path in use";
+  return x8 ? "int8 activations need the AVX512-VNNI or the AVX2 integer kernels" : "no kernels for this type";
+}
+
 int layout_in_use(int qt, bool x8) {
   const int layout = vnni_layout(qt);
   if (layout < 0) return -1;

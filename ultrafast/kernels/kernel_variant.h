@@ -5,7 +5,8 @@
 //   avx512-fp32  AVX-512 dequantize-in-register + FMA (qmatmul_avx512.cpp), every type;
 //   avx2-fp32    the same scheme on AVX2 + FMA (qmatmul_avx2.cpp), every type, for CPUs without AVX-512;
 //   avx2-int8    AVX2 integer kernels for int8 x (qmatmul_avx2_int8.cpp), the quantized types, where VNNI is not in use;
-//   avx2-int16   the same kernels for int16 x, Q4_K and Q6_K (in their lane layouts), where avx2-fp32 is the fp32 path;
+//   avx2-int16   the same kernels for int16 x, the quantized types but Q6_K's file layout (Q4_K and Q6_K in their
+//                lane layouts), where avx2-fp32 is the fp32 path;
 //   scalar       portable loops (scalar.cpp), every type, any CPU.
 // A new variant (another ISA, an accelerator) is one more LinearOps table and one more case where the ops
 // are chosen. Every variant keeps the batch-invariance contract: y[r][n] is one fixed sequence of
@@ -58,6 +59,8 @@ bool avx512_in_use();       // the AVX-512 kernels (fp32 linears, attention) are
 // The ops for a linear of GGML type qt (x8: int8 activations) under the path in force; nullptr when the
 // type is unknown, or x8 is asked of a path without int8 activations.
 const LinearOps* linear_ops(int qt, bool x8);
+// Why linear_ops(qt, x8) gave nullptr, for the error message.
+const char* no_linear_ops_why(int qt, bool x8);
 // The layout made at load (qmm_repack_vnni) that the ops in force for a linear of file type qt read (x8: int8
 // activations), or -1 where they read the file's bytes: every quantized type's on the VNNI kernels; Q4_K's pairs of
 // super-blocks on the AVX2 integer ones.

@@ -81,8 +81,8 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t
   if (k == 0 || N == 0) return y;
 
   const LinearOps* ops = linear_ops((int)qtype, act_bits == 8);
-  TORCH_CHECK_VALUE(ops != nullptr, "qmatmul: int8 activations need the AVX512-VNNI or the AVX2 integer kernels, and the VNNI layouts the VNNI ones (Q4_K_R2, *_R16; path in use: ",
-                    path_in_use(), ")");
+  TORCH_CHECK_VALUE(ops != nullptr, "qmatmul: ", no_linear_ops_why((int)qtype, act_bits == 8), " (path in use: ",
+                    path_in_use(), ", ", act_bits, "-bit activations)");
   const bool x8 = act_bits == 8;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -294,8 +294,8 @@ torch::Tensor layer_on(torch::Tensor& x, const std::vector<int64_t>& starts, con
                       "decoder_block: linear ", i, " has shape ", w[i].sizes(), ", expected ", expect_rows[i],
                       " rows of ", expect_k[i], " ", ti.name, " values");
     a.ops[i] = linear_ops((int)qt[i], act_bits == 8);
-    TORCH_CHECK_VALUE(a.ops[i] != nullptr, "decoder_block: int8 activations need the AVX512-VNNI or the AVX2 integer kernels, and the VNNI layouts the VNNI ones (Q4_K_R2, *_R16; path in use: ",
-                      path_in_use(), ")");
+    TORCH_CHECK_VALUE(a.ops[i] != nullptr, "decoder_block: linear ", i, ": ", no_linear_ops_why((int)qt[i], act_bits == 8),
+                      " (path in use: ", path_in_use(), ", ", act_bits, "-bit activations)");
     a.w[i] = w[i].data_ptr<uint8_t>();
     a.rb[i] = w[i].size(0) > 1 ? w[i].stride(0) : w[i].size(1);
     a.qt[i] = (int)qt[i];
