@@ -44,6 +44,8 @@ def test_builtin_prices_and_multiplier():
         6 * t.cost("qwen2.5-coder-1.5b", "standard", 100, 40, 10))
     with pytest.raises(ValueError):
         t.price("m", "gold")
+    # the price list (/v1/models) shows 6 x 0.1 as 0.6, not 0.6000000000000001
+    assert uf.input != 0.6 and uf.to_json() == {"input": 0.6, "cached_input": 0.3, "output": 2.4}
 
 
 def test_prices_from_toml_and_json(tmp_path):

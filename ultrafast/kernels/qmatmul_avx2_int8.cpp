@@ -1,4 +1,4 @@
-// AVX2 integer kernels for 8-bit activations (and 16-bit ones for the K-quants, below): the "avx2-int8" linear ops, for
+// AVX2 integer kernels for 8-bit activations (and 16-bit ones, below): the "avx2-int8" linear ops, for
 // CPUs without AVX-512 (Zen 1-3, most Intel client parts), where the fp32 kernels (qmatmul_avx2.cpp) convert every weight
 // to float and multiply in fp32.
 // Types: every quantized type in the file's layout: Q4_K and Q6_K (the Qwen2.5-Coder files' linears), and the
@@ -47,7 +47,8 @@
 // int16 sums widened by 256 * sc, the low one's by sc, into the same exact int32 sums); the fp32 step as at int8
 // (Q6_K_R16: per half, where its int32 sums stay exact). Twice the multiplies of int8 a row, none of avx2-fp32's
 // conversions: on the 1.5B, Zen 3, 2 threads, decode 21.8 against 13.8 tok/s and r(8) 3.74 against 5.46 (`ultrafast
-// agentbench`'s r(k)); tiles of up to LANE_ROWS16 rows (two sums a row in registers).
+// agentbench`'s r(k)); tiles of up to LANE_ROWS16 rows (two sums a row in registers). The blocks of 32 (Q4_0, Q4_1,
+// Q5_0, Q8_0) take 16-bit activations per block of 32 the same way, with q = 255 * hi + lo (Bp<2>, below).
 //
 // Compiled for the baseline ISA with a target pragma, entered only after avx2_usable(); no standard-library or
 // torch header (see qmatmul_kernels.h).

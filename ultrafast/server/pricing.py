@@ -42,7 +42,10 @@ class Price:
     cached_input: float  # $ per million prompt tokens read from the prefix cache
 
     def to_json(self) -> dict:
-        return {"input": self.input, "cached_input": self.cached_input, "output": self.output}
+        """The prices as a price list shows them: to 12 significant digits (6 x 0.1 is 0.6000000000000001 in binary
+        floating point; the list says 0.6). Costs are computed from the exact values."""
+        return {k: float(f"{v:.12g}") for k, v in
+                (("input", self.input), ("cached_input", self.cached_input), ("output", self.output))}
 
     def scaled(self, k: float) -> "Price":
         return Price(self.input * k, self.output * k, self.cached_input * k)
