@@ -191,8 +191,6 @@ class Engine:
         if packed:
             fused = "fused layers" if isinstance(self.model.layers[0], FusedBlock) else "per-op"
             paths = list(dict.fromkeys(m.kernel_path() or kernels.path_in_use() for m in packed))  # first seen first
-            if packed[0].act_bits == 8:
-                paths = [p.replace("vnni-int16", "vnni-int8") for p in paths]
             return f"packed, {fused}, {' + '.join(paths)}"
         from .bf16 import BF16Linear
 

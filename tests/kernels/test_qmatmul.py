@@ -850,6 +850,9 @@ def test_repacked_errors(vnni):
     with pytest.raises(ValueError, match="in_features a multiple of 32"):
         uk.repack_vnni(torch.zeros(2, 22, dtype=torch.uint8), uk.Q5_0, 33)
     assert uk.vnni_layout(uk.F32) is None and uk.vnni_layout(uk.Q8_0) == uk.Q8_0_R16
+    # the ops name their activation width
+    assert uk.linear_path(uk.Q4_K, 8) == uk.linear_path(uk.Q4_K_R2, 8) == "vnni-int8"
+    assert uk.linear_path(uk.Q4_K, 16) == "vnni-int16"
     r2 = uk.repack_vnni(raw, uk.Q4_K, 512)
     uk.set_kernels_path("fp32")  # only the VNNI kernels read the layouts
     try:

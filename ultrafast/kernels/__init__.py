@@ -213,8 +213,8 @@ def vnni_supported() -> bool:
 
 
 def linear_path(qtype: int, act_bits: int = 16) -> str:
-    """The kernels a linear of this GGML type runs on now with act_bits-bit activations ("vnni-int16", "avx2-int8",
-    "avx2-int16", "avx512-fp32", "avx2-fp32", "scalar"), or "" where none multiplies that type at that width (int8
+    """The kernels a linear of this GGML type runs on now with act_bits-bit activations ("vnni-int16", "vnni-int8",
+    "avx2-int8", "avx2-int16", "avx512-fp32", "avx2-fp32", "scalar"), or "" where none multiplies that type at that width (int8
     activations need the VNNI kernels or the AVX2 integer ones)."""
     return str(load().linear_path(int(qtype), int(act_bits))) if available() else ""
 

@@ -27,6 +27,9 @@ constexpr LinearOps kAvx2Int8{"avx2-int8", qmm_prep_bytes_avx2_int8, qmm_prep_un
 constexpr LinearOps kAvx2Int16{"avx2-int16", qmm_prep_bytes_avx2_int8, qmm_prep_units_avx2_int8, qmm_prep_avx2_int8,
                                qmm_rows_avx2_int8};
 constexpr LinearOps kVnni{"vnni-int16", qmm_prep_bytes_vnni, qmm_prep_units_vnni, qmm_prep_vnni, qmm_rows_vnni};
+// the same kernels with int8 activations: a table of its own, as the AVX2 ones, so that the ops name their width
+constexpr LinearOps kVnni8{"vnni-int8", qmm_prep_bytes_vnni, qmm_prep_units_vnni, qmm_prep_vnni, qmm_rows_vnni};
+const LinearOps* vnni_ops(bool x8) { return x8 ? &kVnni8 : &kVnni; }
 
 bool avx512_cpu() {
   static const bool ok = avx512_usable();
@@ -87,9 +90,9 @@ const LinearOps* linear_ops(int qt, bool x8) {
   TypeInfo ti;
   if (!type_info(qt, &ti)) return nullptr;
   if (is_vnni_layout(qt)) {  // the layouts made at load: the VNNI kernels read them all, the AVX2 integer ones some
-    return vnni_in_use() ? &kVnni : avx2_int_ops(qt, x8);
+    return vnni_in_use() ? vnni_ops(x8) : avx2_int_ops(qt, x8);
   }
-  if (qmm_vnni_supports(qt) && vnni_in_use()) return &kVnni;
+  if (qmm_vnni_supports(qt) && vnni_in_use()) return vnni_ops(x8);
   if (x8 && qmm_vnni_supports(qt)) return avx2_int_ops(qt, x8);  // int8 activations: the VNNI kernels, else AVX2's
   if (const LinearOps* i16 = avx2_int_ops(qt, x8)) return i16;  // 16-bit: AVX2's integer kernels where they take qt
   const LinearOps* f = fp32_ops();

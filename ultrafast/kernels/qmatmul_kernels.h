@@ -118,9 +118,10 @@ void silu_mul_avx2(float* g, const float* u, int64_t n);
 // ---- AVX2 integer path (qmatmul_avx2_int8.cpp). x8 (avx2-int8): the quantized types in the file's layout and
 // Q4_K / Q6_K also in the VNNI kernels' layouts made at load (QT_Q4_K_R2, QT_Q6_K_R16: layout_in_use), x
 // quantized to int8 per super-block of 256 for Q4_K and Q6_K (llama.cpp's Q8_K), per block of 32 for Q4_0, Q4_1,
-// Q5_0 and Q8_0 (its Q8_0 / Q8_1), vpmaddubsw/vpmaddwd integer sums. Not x8 (avx2-int16): Q4_K and the two lane
-// layouts only (qmm_avx2_int16_supports), x quantized to int16 per super-block of 256 and multiplied as two signed
-// byte planes. The same contract as qmm_rows_avx512 (not the same bits).
+// Q5_0 and Q8_0 (its Q8_0 / Q8_1), vpmaddubsw/vpmaddwd integer sums. Not x8 (avx2-int16): the same types but Q6_K in
+// the file's layout (qmm_avx2_int16_supports), x quantized to int16 (per super-block of 256 for the K-quants, per
+// block of 32 for the others) and multiplied as two signed byte planes. The same contract as qmm_rows_avx512 (not
+// the same bits).
 bool qmm_avx2_int8_supports(int qtype);
 bool qmm_avx2_int16_supports(int qtype);
 int64_t qmm_prep_bytes_avx2_int8(int qtype, int64_t K, bool x8);
