@@ -77,6 +77,7 @@ def test_a_small_run_through_the_server(tmp_path, smollm_path):
     assert second[0]["cached_tokens"] > 0 and len({r["cached_tokens"] for r in second}) == 1, second
     assert "| standard | 3 | 2 |" in p.stdout and "wall-clock of n = 1" in p.stdout
     assert "on the 2 problems with each candidate's tokens" in p.stdout
+    assert "ultrafast n = 3 took" in p.stdout and "the wall-clock of standard n = 1" in p.stdout
     png = summary.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
