@@ -249,6 +249,33 @@ def test_n3_prefills_once(env):
     assert [texts[i] for i in range(3)] == [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
 
 
+def test_completions_best_of_keeps_the_likeliest_per_token(env):
+    """best_of (legacy completions): best_of candidates sampled, the n with the highest mean logprob returned in
+    that order, every candidate billed; the same candidates as n = best_of with the same seed, in both tiers."""
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=11)
+    every = client(env).completions.create(n=4, logprobs=0, **kw)
+    mean = {ch.index: sum(ch.logprobs.token_logprobs) / len(ch.logprobs.token_logprobs) for ch in every.choices}
+    order = sorted(mean, key=lambda i: (-mean[i], i))
+    texts = {ch.index: ch.text for ch in every.choices}
+    assert len(set(texts.values())) > 1  # candidates that differ, so the choice is a choice
+    for tier in ("standard", "ultrafast"):
+        best = client(env).completions.create(n=2, best_of=4, extra_body={"service_tier": tier}, **kw)
+        assert best.to_dict()["service_tier"] == tier and [ch.index for ch in best.choices] == [0, 1]
+        assert [ch.text for ch in best.choices] == [texts[i] for i in order[:2]]
+        assert all(ch.logprobs is None for ch in best.choices)  # recorded to choose, shown only when asked
+        assert best.usage.completion_tokens == every.usage.completion_tokens  # all four billed
+        assert ledger_row(env, best.id)["completion_tokens"] == every.usage.completion_tokens
+    shown = client(env).completions.create(n=1, best_of=4, logprobs=1, **kw).choices[0]
+    assert shown.text == texts[order[0]] and len(shown.logprobs.top_logprobs[0]) == 1
+    with raw(env) as h:
+        body = dict(kw, n=3, best_of=2)
+        assert _error(h.post("/v1/completions", json=body), 400)["param"] == "best_of"
+        assert _error(h.post("/v1/completions", json=dict(kw, n=1, best_of=2, stream=True)), 400)["param"] == "best_of"
+        assert _error(h.post("/v1/completions", json=dict(kw, prompt=["a", "b"], n=1, best_of=9)), 400)["param"] \
+            == "best_of"
+    assert_serving(env)
+
+
 def test_logprobs(env):
     r = chat(env, max_tokens=12, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content

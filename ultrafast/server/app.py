@@ -446,8 +446,12 @@ def _install_routes(app: FastAPI) -> None:
         worker = srv.worker(body.model)
         tier = resolve_tier(body.service_tier, who)
         _check_common(body, worker.engine.config.vocab_size)
-        if body.best_of is not None and body.best_of != body.n:
-            raise InvalidRequest("best_of other than n is not supported", param="best_of")
+        best_of = body.n if body.best_of is None else body.best_of
+        if best_of < body.n:
+            raise InvalidRequest(f"best_of ({best_of}) must be greater than or equal to n ({body.n})", param="best_of")
+        if best_of > body.n and body.stream:
+            raise InvalidRequest("best_of greater than n cannot be streamed: the choices are known only at the end",
+                                 param="best_of")
         engine = worker.engine
         plan = plan_completion(body)
         await _compile(engine, plan)
@@ -473,13 +477,14 @@ def _install_routes(app: FastAPI) -> None:
             if not ids:
                 raise InvalidRequest("the prompt is empty", param=param)
             ids_list.append(ids)
-        if len(ids_list) * body.n > MAX_CANDIDATES:
-            raise InvalidRequest(f"at most {MAX_CANDIDATES} completions per request (prompts x n)", param="n")
+        if len(ids_list) * best_of > MAX_CANDIDATES:
+            raise InvalidRequest(f"at most {MAX_CANDIDATES} completions per request (prompts x best_of)",
+                                 param="best_of" if best_of > body.n else "n")
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         for ids in ids_list:
             _budget(ids, max_tokens, engine.max_context, "prompt", "max_tokens")
         return await _run(request, srv, worker, who, tier, "completions", body, ids_list, max_tokens, body.logprobs,
-                          f"cmpl-{uuid.uuid4().hex}", plan)
+                          f"cmpl-{uuid.uuid4().hex}", plan, best_of=best_of)
 
 
 async def _chat(request: Request, srv: Server, worker, who: Principal, body: ChatCompletionRequest, endpoint: str,
@@ -608,14 +613,18 @@ async def _wait_disconnect(request: Request, on_disconnect) -> None:
 
 async def _run(request: Request, srv: Server, worker, who: Principal, tier: str, endpoint: str, body,
                prompts: list[list[int]], max_tokens: int, top_logprobs: int | None, req_id: str, plan: OutputPlan,
-               output=None):
+               output=None, best_of: int | None = None):
     """Generate: the whole response, or its stream. `output(req, plan)` makes what builds them (default: chat
     completions' and completions' `_Formatter`): absorb(msg), full_response(summary), async completed(obj),
-    stream(queue, include_usage)."""
+    stream(queue, include_usage). best_of (completions): candidates per prompt, of which the response keeps the n
+    with the highest log probability per token (their logprobs are recorded for that even when not asked for)."""
     from .scheduler import GenRequest
 
-    if top_logprobs is not None and not worker.logprobs_supported:
-        raise InvalidRequest("logprobs are not available with this engine build", param="logprobs")
+    choose = best_of is not None and best_of > body.n
+    if (top_logprobs is not None or choose) and not worker.logprobs_supported:
+        raise InvalidRequest("logprobs are not available with this engine build",
+                             param="best_of" if choose else "logprobs")
+    recorded = 0 if choose and top_logprobs is None else top_logprobs
 
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
@@ -627,7 +636,8 @@ async def _run(request: Request, srv: Server, worker, who: Principal, tier: str,
             pass
 
     req = GenRequest(model=worker.name, tier=tier, endpoint=endpoint, principal=who, prompts=prompts,
-                     make_params=_params_factory(body, max_tokens, top_logprobs, plan.grammar), n=body.n, emit=emit,
+                     make_params=_params_factory(body, max_tokens, recorded, plan.grammar),
+                     n=best_of if choose else body.n, emit=emit,
                      id=req_id, cache_salt=body.cache_salt)
     reservation = None
     if who.tpm is not None:  # a database transaction: off the event loop
@@ -641,7 +651,8 @@ async def _run(request: Request, srv: Server, worker, who: Principal, tier: str,
     if output is None:
         so = body.stream_options
         fmt = _Formatter(srv, worker, req, endpoint == "chat.completions", top_logprobs, plan,
-                         continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats))
+                         continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats),
+                         keep=body.n if choose else None)
     else:
         fmt = output(req, plan)
     if body.stream:
@@ -753,8 +764,9 @@ class _Formatter:
     """Builds OpenAI-shaped responses and chunks from the worker's messages."""
 
     def __init__(self, srv: Server, worker, req, chat: bool, top_logprobs: int | None, plan: OutputPlan,
-                 continuous_usage: bool = False):
+                 continuous_usage: bool = False, keep: int | None = None):
         self.srv, self.worker, self.req, self.chat, self.top = srv, worker, req, chat, top_logprobs
+        self.keep = keep  # best_of: the choices per prompt the whole response keeps (None: all)
         self.continuous_usage = continuous_usage  # every chunk carries the usage so far (vLLM's option)
         self.emitted = 0  # tokens delivered so far, all candidates
         # streaming with tools: per choice, the parser that splits its output into content and tool calls
@@ -862,9 +874,26 @@ class _Formatter:
                 "prompt_tokens_details": {"cached_tokens": summary["cached_tokens"]},
                 "completion_tokens_details": {"reasoning_tokens": 0}}
 
+    def kept(self) -> list:
+        """The candidates the whole response shows: all, or with best_of the `keep` of each prompt's with the
+        highest log probability per token (the earlier candidate first among equals; one with no tokens last),
+        in that order."""
+        if self.keep is None:
+            return list(self.req.candidates)
+
+        def per_token(c) -> float:
+            rec = self.records[c.index]
+            return sum(r.logprob for r in rec) / len(rec) if rec else float("-inf")
+
+        out = []
+        for g in sorted({c.group for c in self.req.candidates}):
+            mine = [c for c in self.req.candidates if c.group == g]
+            out += sorted(mine, key=lambda c: (-per_token(c), c.index))[:self.keep]
+        return out
+
     def full_response(self, summary: dict) -> dict:
         choices = []
-        for c in self.req.candidates:
+        for shown, c in enumerate(self.kept()):
             res = self.results.get(c.index)
             text = res.text if res is not None else "".join(self.texts[c.index])
             finish = self.finish.get(c.index)
@@ -879,10 +908,10 @@ class _Formatter:
                     if parser.calls:
                         message["tool_calls"] = [call.to_json() for call in parser.calls]
                         finish = "tool_calls" if finish == "stop" else finish
-                choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
+                choices.append({"index": shown, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 lp = self.completion_logprobs(self.records[c.index]) if self.top is not None else None
-                choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish})
+                choices.append({"index": shown, "text": text, "logprobs": lp, "finish_reason": finish})
         return {"id": self.req.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.req.created, "model": self.req.model, "choices": choices,
                 "usage": self.usage(summary), "service_tier": self.req.tier, "system_fingerprint": FINGERPRINT,

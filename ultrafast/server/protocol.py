@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic), as the `openai` client sends
 and reads them. Unknown request fields are accepted and ignored, as most OpenAI-compatible servers do;
-fields that would change the output in ways this server cannot honour (echo, suffix, best_of > n, tools for a
-model whose chat template has none) are refused with 400.
+fields that would change the output in ways this server cannot honour (echo, suffix, best_of > n with stream,
+tools for a model whose chat template has none) are refused with 400.
 
 Extensions beyond OpenAI's fields: `service_tier` takes `standard`, `ultrafast` or `auto`; sampling
 extras `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and constrained decoding's `structured_outputs`
@@ -179,7 +179,8 @@ class CompletionRequest(_Sampling):
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     echo: Optional[Literal[False]] = Field(False, description="not supported")
     suffix: Optional[Annotated[str, Field(max_length=0, description="not supported")]] = None
-    best_of: Optional[int] = Field(None, ge=1)
+    best_of: Optional[int] = Field(None, ge=1, description="candidates sampled per prompt, of which the n with the "
+                                   "highest log probability per token are returned (all are billed); not with stream")
 
 
 # ------------------------------------------------------------------------------------ responses
