@@ -611,6 +611,19 @@ constexpr int NW_MAX = 2, R_MAX = 4;
 // fell 2-12% at k = 5..15 (r(9) 1.90-2.02 against 2.14-2.21: one chunk instead of two; r(12) 2.40-2.44 against
 // 2.61-2.72), r(16) within noise; at int16 unchanged but r(9).
 constexpr int R2_MAX = 16;
+// Tried on the Intel Xeon (AMX, 48 KB L1), 2026-12-07, not kept (every output's bits were unchanged in both):
+// - The products ordered by weight vector, 2 weight rows x up to 10 activation rows (20 int32 chains, each x vector
+//   loaded once for both weight rows, where the one-row tile loads it per product: its loads bound it, as the same
+//   products ran twice as fast when all rows' x was one address). A 1-thread harness over this unit (L2-resident)
+//   gave 10-24% less time at k = 8..16, but `python -m ultrafast.benchmarks.kernel_shapes --activation-bits 8`
+//   (the 1.5B, 2 threads, weights from memory, alternated twice) +0-8% on the gate projection at k = 8..16, -3-9% on
+//   the down projection.
+// - AMX tile multiplies (TDPBUSD, a 16 x 16 tile of weight rows x activation rows per block of 32, then each lane's
+//   fp32 step as here on vectors over the activation rows, the same tree for the sum): bit-identical, but 85 us
+//   against 52-85 at k = 2..16 (512 x 1536 repacked Q4_K, 1 thread). The layouts here hold a block per int32 lane,
+//   so every tile needs the decoded weights transposed (~32 shuffles a weight row and group, all on one port), and
+//   the fp32 step costs 4 ops and 4 loads per (weight row, block) whatever k is. It would need weights laid out for
+//   the tiles (a second copy, for the machines with AMX only).
 // Up to this many bytes of prepared x, every tile of weight rows is read whole against all activation rows
 // (x stays in L2); more (prefill) takes the weight-tiled schedule (see rows()). Measured on the 1.5B's down
 // projection (Q6_K, K = 8960, 31 KB of x per row), 1 thread: k = 16 (500 KB) whole rows 8.7 cycles per
@@ -689,13 +702,13 @@ constexpr int64_t PF_NEAR = 2048, PF_FAR = 12288, PF_FAR_MIN = 512 * 1024;
 // single chain with the x vectors of a group pinned (1 thread, weights from memory, ns per 128-value product
 // at k = 1 / 4 / 16): Q6_K 1536 x 8960 4.22 / 3.06 / 2.69 -> 4.18 / 2.73 / 2.63; Q8_0 1536 x 576
 // 11.57 / 4.77 / 4.90 -> 9.99 / 4.39 / 4.35.
-// c[w] += W[w][v] . xv for the NW weight rows (v == 0 starts the chains), xv loaded once into a register
+// c[w] += W[w][v] . xv for the NW weight rows (v == 0 starts the chains at `start`), xv loaded once into a register
 // for all of them (left to itself the compiler folds the load into each vpdpbusd, reading it NW times).
 template <int NW, int NV>
-UF_INLINE void dot_step(const __m512i (&W)[NW][NV], int v, __m512i xv, __m512i* c) {
+UF_INLINE void dot_step(const __m512i (&W)[NW][NV], int v, __m512i xv, __m512i* c, __m512i start) {
   if constexpr (NW > 1) __asm__("" : "+v"(xv));
 #pragma GCC unroll 4
-  for (int w = 0; w < NW; ++w) c[w] = _mm512_dpbusd_epi32(v == 0 ? _mm512_setzero_si512() : c[w], W[w][v], xv);
+  for (int w = 0; w < NW; ++w) c[w] = _mm512_dpbusd_epi32(v == 0 ? start : c[w], W[w][v], xv);
 }
 
 // n: the blocks of a TAIL_MASKED group (a row's last, if partial; 16: whole); unread by the other types.
@@ -719,10 +732,15 @@ UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t l
     for (int r = 0; r < R; ++r) {
       const X* xr = reinterpret_cast<const X*>(xg + r * ldx) + g;
       __m512i ia[NW], il[NW];  // the chains of x's high bytes and of its low bytes
+      // The block's integer offset is where a chain starts (int8 x: the one chain; int16: the low bytes'), not an add
+      // after it: the same int32 sum (exact in any order), one vector op fewer per product. Q6_K's repacked layout at
+      // int8, 512 x 1536, L2-resident, 1 thread (a harness over this unit, Intel Xeon, three runs alternated; every
+      // output's bits unchanged): k = 10 57.7-61.2 against 61.1-64.9 us, k = 16 98-104 against 101-112.
+      const __m512i start = T::IOFF != 0 ? xr->ioff : _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int v = 0; v < T::NVEC; ++v) {
-        dot_step<NW>(W, v, xr->xh[v], ia);
-        if constexpr (!X8) dot_step<NW>(W, v, xr->xl[v], il);
+        dot_step<NW>(W, v, xr->xh[v], ia, X8 ? start : _mm512_setzero_si512());
+        if constexpr (!X8) dot_step<NW>(W, v, xr->xl[v], il, start);
       }
       if constexpr (!X8) {
 #pragma GCC unroll 4
@@ -732,7 +750,6 @@ UF_INLINE void kblock(const uint8_t* p, int64_t rb, const uint8_t* xg, int64_t l
       if constexpr (NW > 1) __asm__("" : "+v"(s));
 #pragma GCC unroll 4
       for (int w = 0; w < NW; ++w) {
-        if constexpr (T::IOFF != 0) ia[w] = _mm512_add_epi32(ia[w], xr->ioff);
         const __m512 t = _mm512_mul_ps(dvec[w], s);
         __m512& a = acc[w * R + r];
         a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[w]), t, a);
