@@ -622,8 +622,10 @@ constexpr int R2_MAX = 16;
 //   fp32 step as here on vectors over the activation rows, the same tree for the sum): bit-identical, but 85 us
 //   against 52-85 at k = 2..16 (512 x 1536 repacked Q4_K, 1 thread). The layouts here hold a block per int32 lane,
 //   so every tile needs the decoded weights transposed (~32 shuffles a weight row and group, all on one port), and
-//   the fp32 step costs 4 ops and 4 loads per (weight row, block) whatever k is. It would need weights laid out for
-//   the tiles (a second copy, for the machines with AMX only).
+//   the fp32 step costs 4 ops and 4-6 memory operations per (weight row, block) whatever k is. With the decode
+//   left out (what weights laid out for the tiles, a second copy, would save) the calls still took 48-50 us at
+//   k = 2..16: the tile instructions alone 20, the fp32 step alone 24 (~5 cycles per weight row and block, bound by
+//   its memory operations), not overlapping.
 // Up to this many bytes of prepared x, every tile of weight rows is read whole against all activation rows
 // (x stays in L2); more (prefill) takes the weight-tiled schedule (see rows()). Measured on the 1.5B's down
 // projection (Q6_K, K = 8960, 31 KB of x per row), 1 thread: k = 16 (500 KB) whole rows 8.7 cycles per
