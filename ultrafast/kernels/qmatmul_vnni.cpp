@@ -624,8 +624,9 @@ constexpr int R2_MAX = 16;
 //   so every tile needs the decoded weights transposed (~32 shuffles a weight row and group, all on one port), and
 //   the fp32 step costs 4 ops and 4-6 memory operations per (weight row, block) whatever k is. With the decode
 //   left out (what weights laid out for the tiles, a second copy, would save) the calls still took 48-50 us at
-//   k = 2..16: the tile instructions alone 20, the fp32 step alone 24 (~5 cycles per weight row and block, bound by
-//   its memory operations), not overlapping.
+//   k = 2..16: 25 without the fp32 step, 33 without the tile instructions, 9 without both (the fp32 step ~5 cycles
+//   per weight row and block, bound by its memory operations; the two did not overlap). The fp32 step per weight
+//   row with its 16 lane accumulators in registers (all groups' tiles first) was slower still.
 // Up to this many bytes of prepared x, every tile of weight rows is read whole against all activation rows
 // (x stays in L2); more (prefill) takes the weight-tiled schedule (see rows()). Measured on the 1.5B's down
 // projection (Q6_K, K = 8960, 31 KB of x per row), 1 thread: k = 16 (500 KB) whole rows 8.7 cycles per
