@@ -627,6 +627,16 @@ constexpr int R2_MAX = 16;
 //   k = 2..16: 25 without the fp32 step, 33 without the tile instructions, 9 without both (the fp32 step ~5 cycles
 //   per weight row and block, bound by its memory operations; the two did not overlap). The fp32 step per weight
 //   row with its 16 lane accumulators in registers (all groups' tiles first) was slower still.
+// Tried on a Zen 4 (AMD EPYC, 32 KB L1), 2026-12-07: a 1-thread harness over this unit (repacked Q4_K and Q6_K, 512 x
+// 1536, int8, L2-resident; variants alternated three times, best of each; runs spread ~15%), every output's bits
+// unchanged, none faster: the 2 x R tile by weight vector (above) at Q4_K k = 10, 61 us (R = 8) and 75 (R = 10)
+// against 60; the same tile ordered by activation row (accumulators spilled) 79; the one-row tile's integer chain
+// split in two (even and odd weight vectors, joined by an add) 60 against 60; two or three activation rows' chains
+// interleaved, Q6_K 64 / 67 against 64; Q6_K's chain start as a register instead of a load (to time it) 63 against
+// 64. By ablation (bits not kept), k = 10: Q6_K 64.6 us, without the weight decode 56.5, without the fp32 step 55.6,
+// without both 44.7 (the vpdpbusd and their loads alone at 75% of the 1-thread peak of 3.65 G/s, measured with
+// ../shared/tools/mulpeak.c); Q4_K 60.7, 55.8, 54.7, 48.9 (69%). Halving the x loads changed nothing, so loads do not
+// bind there; the fp32 step takes the multiply pipes' slots (vnni_fma_beside) and the decode the rest.
 // Up to this many bytes of prepared x, every tile of weight rows is read whole against all activation rows
 // (x stays in L2); more (prefill) takes the weight-tiled schedule (see rows()). Measured on the 1.5B's down
 // projection (Q6_K, K = 8960, 31 KB of x per row), 1 thread: k = 16 (500 KB) whole rows 8.7 cycles per
