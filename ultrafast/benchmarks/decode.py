@@ -216,6 +216,7 @@ def run_bench(model: str, *, prompt_len: int = 128, gen: int = 256, threads: int
             "arithmetic_macs_per_s": arith,
             "paired_share": paired_share if peak is not None else None,
             "fma_cost_in_vpdpbusd": peak.fma_cost if peak is not None else None,
+            "load_cost_in_vpdpbusd": peak.load_cost if peak is not None else None,
             "arithmetic_r_k": {k: physical(k, arith) / physical(1, arith) for k in ours.r_k} if arith else None,
             "pct_of_peak_k": {k: 100 * k * macs / ours.forward_s[k] / rate for k in ours.r_k},
             "pct_of_peak_prefill": 100 * ours.prefill_tokens_per_s * macs_prefill / rate,
@@ -319,6 +320,10 @@ def format_table(r: dict) -> str:
             lines.append(f"an fp32 FMA beside vpdpbusd takes {mp['fma_cost_in_vpdpbusd']:.2f} of a vpdpbusd's slot "
                          f"(1: they share the multiply pipes; the kernels' fp32 step is a scale multiply and an fma per "
                          f"4-8 vpdpbusd)")
+        if mp.get("load_cost_in_vpdpbusd") is not None:
+            lines.append(f"a 64-byte load from L1 beside vpdpbusd takes {mp['load_cost_in_vpdpbusd']:.2f} of a vpdpbusd's "
+                         f"slot (the one-row tile loads an x vector for each vpdpbusd; the arithmetic above has register "
+                         f"operands)")
     lines.append("")
     ks = sorted(us["r_k"], key=int)
     lines.append("r(k) = time(k-token forward) / time(1-token forward)")

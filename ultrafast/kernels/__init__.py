@@ -262,6 +262,10 @@ class MultiplyPeak:
     # 512-bit FMAs and vpdpbusd both run on its two 256-bit multiply pipes), ~0 where they do not; with the kernels'
     # 2 fp32 multiplies per 4-8 vpdpbusd it is why products_per_s stays below the bare peak
     fma_cost: float
+    # vpdpbusd slots one 64-byte load from L1 takes beside them (a vpdpbusd's x operand from memory, as the one-row
+    # tile reads it: one load a vpdpbusd): ~0.5 on the Intel Xeon, ~0 where loads do not bind (Zen 4). The arithmetic
+    # ceilings above take register operands, so where this is large the kernels' loads hold them further below it
+    load_cost: float = 0.0
 
     def arithmetic_macs_per_s(self, act_bits: int, paired_share: float = 0.0) -> float:
         """Multiply-adds per second at the kernels' arithmetic for a model whose `paired_share` of multiply-adds run
@@ -301,7 +305,8 @@ def multiply_peak(threads: int | None = None, iters: int = 10_000_000, reps: int
     products = {bits: float(ext.vnni_product_peak(threads, max(1, int(iters) // 10), int(reps), bits)) for bits in (16, 8)}
     paired = {bits: float(ext.vnni_paired_peak(threads, max(1, int(iters) // 20), int(reps), bits)) for bits in (16, 8)}
     fma_cost = float(ext.vnni_fma_cost(threads, max(1, int(iters) // 4), int(reps)))
-    return MultiplyPeak(threads, rate, products, paired, fma_cost)
+    load_cost = float(ext.vnni_load_cost(threads, max(1, int(iters) // 4), int(reps)))
+    return MultiplyPeak(threads, rate, products, paired, fma_cost, load_cost)
 
 
 PAIRED_LAYOUTS = frozenset({Q4_0_R16, Q4_1_R16, Q5_0_R16, Q8_0_R16, Q4_K_R2})  # eight weight vectors a row and group

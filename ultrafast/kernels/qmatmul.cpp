@@ -486,6 +486,17 @@ double vnni_fma_cost(int64_t threads, int64_t iters, int64_t reps) {
   return std::max(0.0, (bare / with - 1.0) * 12.0 / 6.0);
 }
 
+// vpdpbusd slots one 64-byte load (a vpdpbusd's x operand from L1) takes beside them on `threads` threads (best of
+// `reps` runs of `iters` loops of 12 vpdpbusd, their x operands in registers and then each from memory; see
+// vnni_load_beside): ~0.5 on the Intel Xeon, ~0 where loads do not bind. 0 without VNNI.
+double vnni_load_cost(int64_t threads, int64_t iters, int64_t reps) {
+  TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "vnni_load_cost: threads, iters and reps must be >= 1");
+  if (!(avx512_usable() && vnni_usable())) return 0.0;
+  const double bare = best_rate(threads, iters, reps, [](int64_t n) { return vnni_load_beside(n, false); });
+  const double with = best_rate(threads, iters, reps, [](int64_t n) { return vnni_load_beside(n, true); });
+  return std::max(0.0, bare / with - 1.0);
+}
+
 // 8-lane fp32 FMA instructions per second that `threads` threads sustain together (best of `reps` runs of `iters`
 // iterations of 12 independent chains each): the multiply limit of the AVX2 fp32 kernels. 0 without AVX2.
 double avx2_fma_peak(int64_t threads, int64_t iters, int64_t reps) {
@@ -599,6 +610,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("threads"), py::arg("iters"), py::arg("reps"), py::arg("act_bits"), py::call_guard<py::gil_scoped_release>());
   m.def("vnni_fma_cost", &ultrafast::vnni_fma_cost,
         "vpdpbusd slots one fp32 FMA takes beside them on `threads` threads (0: no VNNI)", py::arg("threads"),
+        py::arg("iters"), py::arg("reps"), py::call_guard<py::gil_scoped_release>());
+  m.def("vnni_load_cost", &ultrafast::vnni_load_cost,
+        "vpdpbusd slots one 64-byte load from L1 takes beside them on `threads` threads (0: no VNNI)", py::arg("threads"),
         py::arg("iters"), py::arg("reps"), py::call_guard<py::gil_scoped_release>());
   m.def("block_info", [](int64_t qtype) {
     ultrafast::TypeInfo ti;

@@ -175,5 +175,6 @@ int64_t vnni_dpbusd_chains(int64_t n);
 int64_t vnni_product_chains(int64_t n, bool x8);
 int64_t vnni_paired_chains(int64_t n, bool x8);  // a paired layout's 512-value group (KQ4K2): 8 vpdpbusd, 3 fp32
 int64_t vnni_fma_beside(int64_t n, bool fma);  // 12 vpdpbusd a loop (fma: and 6 fp32 FMAs)
+int64_t vnni_load_beside(int64_t n, bool mem);  // 12 vpdpbusd a loop (mem: each x operand a 64-byte load from L1)
 
 }  // namespace ultrafast

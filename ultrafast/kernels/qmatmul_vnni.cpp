@@ -627,6 +627,31 @@ constexpr int R2_MAX = 16;
 //   k = 2..16: 25 without the fp32 step, 33 without the tile instructions, 9 without both (the fp32 step ~5 cycles
 //   per weight row and block, bound by its memory operations; the two did not overlap). The fp32 step per weight
 //   row with its 16 lane accumulators in registers (all groups' tiles first) was slower still.
+// Where the one-row tile's time goes on the Intel Xeon (AMX, 48 KB L1), measured again in a later session of 2026-12-07
+// with a 1-thread harness over this unit (repacked Q4_K, int8, 512 x 1536, L2-resident; every output's bits unchanged):
+// k = 10 takes 48-51 us, 2.4-2.5 G vpdpbusd/s against 6.3-6.9 for bare vpdpbusd (../shared/tools/mulpeak.c), and the
+// same with 8 weight rows (all in L1): the instructions bind, not the memory. The same mix on register operands
+// (vnni_paired_chains: 8 vpdpbusd, convert, scale multiply, fma, fnmadd) runs 4.68 G/s; a loop of this tile's own
+// pattern with its operands from L1 (x for each vpdpbusd, s and xsf loaded) and no weight decode 3.0-3.2; 12 vpdpbusd
+// with memory operands 4.4 against 6.5 with registers (vnni_load_beside: a 64-byte load takes 0.35-0.48 of a vpdpbusd
+// slot here; `ultrafast bench` prints it). Per weight row and group at k = 10: ~80 vpdpbusd, ~40 fp32 ops (each a
+// vpdpbusd slot here too: vnni_fma_beside 0.96-1.00), ~100 loads and ~35 ops of decode and scales; the loads cost more
+// than the decode, and only x reuse across weight rows would win them back. Not kept, none faster: rows' chains
+// interleaved in twos or fours, or split (even and odd weight vectors), 48-51 us against 48-51 (not latency); the
+// 2 x R tiles that load each x vector once for two weight rows, chunks of R: k = 10 2 x 4 58.6, 2 x 5 51-52, 2 x 6
+// 53-55 us against 48-49.5; k = 16 88-91 against 75.5-77.7.
+// AMX again, with every unit's operands in the tiles' own order (no transposes): per 16 weight rows and block of 32,
+// B = the 16 rows' 32 nibbles split into bytes (8 x 64, from a copy of the weights laid out for it), A = the int8 x of
+// the block (R rows of the plain quantized row, stride K), TDPBSUD into C, C stored; the fp32 step on vectors over the
+// 16 weight rows, per activation row (the same per-output operations: bits identical to this unit's at k = 1..16),
+// each lane's groups in turn so that its R accumulators stay in registers, the final sum _mm512_reduce_add_ps's tree on
+// vectors over weight rows; decode 6 units ahead and tiles 4 ahead (two tile sets). With the scales precomputed (what a
+// load-time layout of d * sc and dmin * m would give): 25.8 / 27.2 / 39.1 / 60.5 us at k = 1 / 4 / 10 / 16 against
+// this unit's 11.9 / 23.5 / 51.2 / 82.6 (1.31x at k = 10); computed per tile and transposed 33-34 / 37.6 / 47.7 / 65.
+// Without the tile instructions 8.9 / 12.6 / 21.0 / 31.4: they add ~18 us at k = 10 (~40 cycles a unit) and do not
+// overlap the vector work. A bare loop of one unit's tile instructions takes ~31 cycles a unit; a TILESTORED ~16
+// cycles whatever its rows (1, 10, 16), one per block of 32 since each block has its own scales. So the tiles hold the
+// Q4_K products near 1.3x at k = 10 under these numerics.
 // Tried on a Zen 4 (AMD EPYC, 32 KB L1), 2026-12-07: a 1-thread harness over this unit (repacked Q4_K and Q6_K, 512 x
 // 1536, int8, L2-resident; variants alternated three times, best of each; runs spread ~15%), every output's bits
 // unchanged, none faster: the 2 x R tile by weight vector (above) at Q4_K k = 10, 61 us (R = 8) and 75 (R = 10)
@@ -1136,6 +1161,30 @@ int64_t vnni_fma_beside(int64_t n, bool fma) {
                      : UF_CLOBBERS);
   return n;
 }
+// What a 64-byte load costs beside vpdpbusd: `n` loops of 12 independent vpdpbusd, their x operands from registers or,
+// with `mem`, each from its own 64 bytes of an L1-resident buffer (as the one-row tile's products read x: one load a
+// vpdpbusd). Where loads bind beside the multiplies (the Intel Xeon: 4.4 against 6.5 G/s, 1 thread) the loop with loads
+// takes ~1.5x as long; where they do not (Zen 4), about as long.
+#define UF_DPM(i) "vpdpbusd " #i "*64(%1), %%zmm30, %%zmm" #i "\n\t"
+int64_t vnni_load_beside(int64_t n, bool mem) {
+  if (n <= 0) return 0;
+  alignas(64) uint8_t x[12 * 64];
+  for (int i = 0; i < 12 * 64; ++i) x[i] = (uint8_t)i;
+  if (mem)
+    __asm__ volatile(UF_ZEROS "1:\n\t" UF_DPM(0) UF_DPM(1) UF_DPM(2) UF_DPM(3) UF_DPM(4) UF_DPM(5) UF_DPM(6) UF_DPM(7)
+                         UF_DPM(8) UF_DPM(9) UF_DPM(10) UF_DPM(11) "dec %0\n\tjnz 1b"
+                     : "+r"(n)
+                     : "r"(x), "m"(*(const uint8_t(*)[12 * 64])x)
+                     : UF_CLOBBERS);
+  else
+    __asm__ volatile(UF_ZEROS "1:\n\t" UF_DP(0) UF_DP(1) UF_DP(2) UF_DP(3) UF_DP(4) UF_DP(5) UF_DP(6) UF_DP(7)
+                         UF_DP(8) UF_DP(9) UF_DP(10) UF_DP(11) "dec %0\n\tjnz 1b"
+                     : "+r"(n)
+                     :
+                     : UF_CLOBBERS);
+  return n;
+}
+#undef UF_DPM
 #undef UF_Z
 #undef UF_DP
 #undef UF_FMA
@@ -1166,6 +1215,7 @@ int64_t vnni_dpbusd_chains(int64_t) { return 0; }
 int64_t vnni_product_chains(int64_t, bool) { return 0; }
 int64_t vnni_paired_chains(int64_t, bool) { return 0; }
 int64_t vnni_fma_beside(int64_t, bool) { return 0; }
+int64_t vnni_load_beside(int64_t, bool) { return 0; }
 }  // namespace ultrafast
 
 #endif
