@@ -1161,27 +1161,20 @@ int64_t vnni_fma_beside(int64_t n, bool fma) {
                      : UF_CLOBBERS);
   return n;
 }
-// What a 64-byte load costs beside vpdpbusd: `n` loops of 12 independent vpdpbusd, their x operands from registers or,
-// with `mem`, each from its own 64 bytes of an L1-resident buffer (as the one-row tile's products read x: one load a
-// vpdpbusd). Where loads bind beside the multiplies (the Intel Xeon: 4.4 against 6.5 G/s, 1 thread) the loop with loads
-// takes ~1.5x as long; where they do not (Zen 4), about as long.
+// What a 64-byte load costs beside vpdpbusd: `n` loops of 12 independent vpdpbusd, their x operands from registers
+// (vnni_fma_beside's bare loop) or, with `mem`, each from its own 64 bytes of an L1-resident buffer (as the one-row
+// tile's products read x: one load a vpdpbusd). Where loads bind beside the multiplies (the Intel Xeon: 4.4 against
+// 6.5 G/s, 1 thread) the loop with loads takes ~1.5x as long; where they do not (Zen 4), about as long.
 #define UF_DPM(i) "vpdpbusd " #i "*64(%1), %%zmm30, %%zmm" #i "\n\t"
 int64_t vnni_load_beside(int64_t n, bool mem) {
-  if (n <= 0) return 0;
+  if (!mem || n <= 0) return vnni_fma_beside(n, false);
   alignas(64) uint8_t x[12 * 64];
   for (int i = 0; i < 12 * 64; ++i) x[i] = (uint8_t)i;
-  if (mem)
-    __asm__ volatile(UF_ZEROS "1:\n\t" UF_DPM(0) UF_DPM(1) UF_DPM(2) UF_DPM(3) UF_DPM(4) UF_DPM(5) UF_DPM(6) UF_DPM(7)
-                         UF_DPM(8) UF_DPM(9) UF_DPM(10) UF_DPM(11) "dec %0\n\tjnz 1b"
-                     : "+r"(n)
-                     : "r"(x), "m"(*(const uint8_t(*)[12 * 64])x)
-                     : UF_CLOBBERS);
-  else
-    __asm__ volatile(UF_ZEROS "1:\n\t" UF_DP(0) UF_DP(1) UF_DP(2) UF_DP(3) UF_DP(4) UF_DP(5) UF_DP(6) UF_DP(7)
-                         UF_DP(8) UF_DP(9) UF_DP(10) UF_DP(11) "dec %0\n\tjnz 1b"
-                     : "+r"(n)
-                     :
-                     : UF_CLOBBERS);
+  __asm__ volatile(UF_ZEROS "1:\n\t" UF_DPM(0) UF_DPM(1) UF_DPM(2) UF_DPM(3) UF_DPM(4) UF_DPM(5) UF_DPM(6) UF_DPM(7)
+                       UF_DPM(8) UF_DPM(9) UF_DPM(10) UF_DPM(11) "dec %0\n\tjnz 1b"
+                   : "+r"(n)
+                   : "r"(x), "m"(*(const uint8_t(*)[12 * 64])x)
+                   : UF_CLOBBERS);
   return n;
 }
 #undef UF_DPM
