@@ -263,7 +263,7 @@ class MultiplyPeak:
     # 2 fp32 multiplies per 4-8 vpdpbusd it is why products_per_s stays below the bare peak
     fma_cost: float
     # vpdpbusd slots one 64-byte load from L1 takes beside them (a vpdpbusd's x operand from memory, as the one-row
-    # tile reads it: one load a vpdpbusd): ~0.5 on the Intel Xeon, ~0 where loads do not bind (Zen 4). The arithmetic
+    # tile reads it: one load a vpdpbusd): 0.35-0.48 on the Intel Xeon, ~0 where loads do not bind. The arithmetic
     # ceilings above take register operands, so where this is large the kernels' loads hold them further below it
     load_cost: float = 0.0
 

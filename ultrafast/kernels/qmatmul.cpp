@@ -488,7 +488,7 @@ double vnni_fma_cost(int64_t threads, int64_t iters, int64_t reps) {
 
 // vpdpbusd slots one 64-byte load (a vpdpbusd's x operand from L1) takes beside them on `threads` threads (best of
 // `reps` runs of `iters` loops of 12 vpdpbusd, their x operands in registers and then each from memory; see
-// vnni_load_beside): ~0.5 on the Intel Xeon, ~0 where loads do not bind. 0 without VNNI.
+// vnni_load_beside): 0.35-0.48 on the Intel Xeon, ~0 where loads do not bind. 0 without VNNI.
 double vnni_load_cost(int64_t threads, int64_t iters, int64_t reps) {
   TORCH_CHECK_VALUE(threads >= 1 && iters >= 1 && reps >= 1, "vnni_load_cost: threads, iters and reps must be >= 1");
   if (!(avx512_usable() && vnni_usable())) return 0.0;

@@ -1164,7 +1164,8 @@ int64_t vnni_fma_beside(int64_t n, bool fma) {
 // What a 64-byte load costs beside vpdpbusd: `n` loops of 12 independent vpdpbusd, their x operands from registers
 // (vnni_fma_beside's bare loop) or, with `mem`, each from its own 64 bytes of an L1-resident buffer (as the one-row
 // tile's products read x: one load a vpdpbusd). Where loads bind beside the multiplies (the Intel Xeon: 4.4 against
-// 6.5 G/s, 1 thread) the loop with loads takes ~1.5x as long; where they do not (Zen 4), about as long.
+// 6.5 G/s, 1 thread) the loop with loads takes ~1.5x as long; where they do not, about as long (on Zen 4 halving the
+// kernels' x loads changed nothing, above; this probe not yet run there).
 #define UF_DPM(i) "vpdpbusd " #i "*64(%1), %%zmm30, %%zmm" #i "\n\t"
 int64_t vnni_load_beside(int64_t n, bool mem) {
   if (!mem || n <= 0) return vnni_fma_beside(n, false);
