@@ -628,11 +628,13 @@ constexpr int R2_MAX = 16;
 //   per weight row and block, bound by its memory operations; the two did not overlap). The fp32 step per weight
 //   row with its 16 lane accumulators in registers (all groups' tiles first) was slower still.
 // Where the one-row tile's time goes on the Intel Xeon (AMX, 48 KB L1), measured again in a later session of 2026-12-07
-// with a 1-thread harness over this unit (repacked Q4_K, int8, 512 x 1536, L2-resident; every output's bits unchanged):
+// with a 1-thread harness over this unit (`python -m ultrafast.benchmarks.kernel_harness tiles|amx|mix`: repacked Q4_K,
+// int8, 512 x 1536, L2-resident; every output's bits unchanged; an hour later the host ran ~10% slower throughout):
 // k = 10 takes 48-51 us, 2.4-2.5 G vpdpbusd/s against 6.3-6.9 for bare vpdpbusd (../shared/tools/mulpeak.c), and the
 // same with 8 weight rows (all in L1): the instructions bind, not the memory. The same mix on register operands
-// (vnni_paired_chains: 8 vpdpbusd, convert, scale multiply, fma, fnmadd) runs 4.68 G/s; a loop of this tile's own
-// pattern with its operands from L1 (x for each vpdpbusd, s and xsf loaded) and no weight decode 3.0-3.2; 12 vpdpbusd
+// (vnni_paired_chains: 8 vpdpbusd, convert, scale multiply, fma, fnmadd) runs 4.68 G/s (4.25 later, bare 5.94); a loop
+// of this tile's own pattern with its operands from L1 (x for each vpdpbusd, s and xsf loaded) and no weight decode
+// 3.0-3.2 (3.29 later); 12 vpdpbusd
 // with memory operands 4.4 against 6.5 with registers (vnni_load_beside: a 64-byte load takes 0.35-0.48 of a vpdpbusd
 // slot here; `ultrafast bench` prints it). Per weight row and group at k = 10: ~80 vpdpbusd, ~40 fp32 ops (each a
 // vpdpbusd slot here too: vnni_fma_beside 0.96-1.00), ~100 loads and ~35 ops of decode and scales; the loads cost more
@@ -640,18 +642,20 @@ constexpr int R2_MAX = 16;
 // interleaved in twos or fours, or split (even and odd weight vectors), 48-51 us against 48-51 (not latency); the
 // 2 x R tiles that load each x vector once for two weight rows, chunks of R: k = 10 2 x 4 58.6, 2 x 5 51-52, 2 x 6
 // 53-55 us against 48-49.5; k = 16 88-91 against 75.5-77.7.
-// AMX again, with every unit's operands in the tiles' own order (no transposes): per 16 weight rows and block of 32,
-// B = the 16 rows' 32 nibbles split into bytes (8 x 64, from a copy of the weights laid out for it), A = the int8 x of
+// AMX again, with every unit's operands in the tiles' own order (no transposes): per 16 weight rows and block of 32, B
+// = the 16 rows' 32 nibbles split into bytes (8 x 64, from a copy of the weights laid out for it), A = the int8 x of
 // the block (R rows of the plain quantized row, stride K), TDPBSUD into C, C stored; the fp32 step on vectors over the
-// 16 weight rows, per activation row (the same per-output operations: bits identical to this unit's at k = 1..16),
-// each lane's groups in turn so that its R accumulators stay in registers, the final sum _mm512_reduce_add_ps's tree on
+// 16 weight rows, per activation row (the same per-output operations: bits identical to this unit's at k = 1..16), each
+// lane's groups in turn so that its R accumulators stay in registers, the final sum _mm512_reduce_add_ps's tree on
 // vectors over weight rows; decode 6 units ahead and tiles 4 ahead (two tile sets). With the scales precomputed (what a
-// load-time layout of d * sc and dmin * m would give): 25.8 / 27.2 / 39.1 / 60.5 us at k = 1 / 4 / 10 / 16 against
-// this unit's 11.9 / 23.5 / 51.2 / 82.6 (1.31x at k = 10); computed per tile and transposed 33-34 / 37.6 / 47.7 / 65.
-// Without the tile instructions 8.9 / 12.6 / 21.0 / 31.4: they add ~18 us at k = 10 (~40 cycles a unit) and do not
-// overlap the vector work. A bare loop of one unit's tile instructions takes ~31 cycles a unit; a TILESTORED ~16
-// cycles whatever its rows (1, 10, 16), one per block of 32 since each block has its own scales. So the tiles hold the
-// Q4_K products near 1.3x at k = 10 under these numerics.
+// load-time layout of d * sc and dmin * m would give): 25.8 / 27.2 / 39.1 / 60.5 us at k = 1 / 4 / 10 / 16 against this
+// unit's 11.9 / 23.5 / 51.2 / 82.6 (1.31x at k = 10); computed per tile and transposed 33-34 / 37.6 / 47.7 / 65.
+// Without the tile instructions 8.9 / 12.6 / 21.0 / 31.4. The harness's `amx` (the same design, its scales transposed
+// by scalar moves) an hour later: precomputed 27.9 / 29.6 / 43.3 / 58.1 against 12.7 / 24.9 / 54.4 / 85.2, per call
+// 39.8 / 41.5 / 55.4 / 71.8, without tiles 11.3 / 15.1 / 23.6 / 33.7. The tiles add ~18 us at k = 10 (~40 cycles a
+// unit) and do not overlap the vector work. A bare loop of one unit's tile instructions takes ~31 cycles a unit; a
+// TILESTORED ~16 cycles whatever its rows (1, 10, 16), one per block of 32 since each block has its own scales. So the
+// tiles hold the Q4_K products near 1.3x at k = 10 under these numerics.
 // Tried on a Zen 4 (AMD EPYC, 32 KB L1), 2026-12-07: a 1-thread harness over this unit (repacked Q4_K and Q6_K, 512 x
 // 1536, int8, L2-resident; variants alternated three times, best of each; runs spread ~15%), every output's bits
 // unchanged, none faster: the 2 x R tile by weight vector (above) at Q4_K k = 10, 61 us (R = 8) and 75 (R = 10)
