@@ -9,7 +9,7 @@ here with g++ (the kernels' flags, the AVX-512 instructions enabled for the harn
 $ULTRAFAST_HOME/harness. On a random Q4_K matrix of --rows x --cols repacked as the engine repacks it, int8 activations,
 microseconds per call, best of --reps (the matrix stays in L2):
 - `tiles`: the engine's schedule against forced tiles (1 x 16; 2 x 4, 2 x 5, 2 x 6, which load each x vector once for
-  two weight rows);
+  two weight rows, chunks of activation rows; 2 x k, all of them in one sweep with the accumulators spilled);
 - `amx`: an AMX prototype (tile multiplies per 16 weight rows and block of 32, the fp32 step on vectors over weight
   rows; see the source) with its scales computed per call and precomputed, and without its tile instructions;
 - `mix`: G vpdpbusd/s of the kernels' instruction mix on register operands, of the one-row tile's pattern with its

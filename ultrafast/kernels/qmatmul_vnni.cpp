@@ -641,7 +641,10 @@ constexpr int R2_MAX = 16;
 // than the decode, and only x reuse across weight rows would win them back. Not kept, none faster: rows' chains
 // interleaved in twos or fours, or split (even and odd weight vectors), 48-51 us against 48-51 (not latency); the
 // 2 x R tiles that load each x vector once for two weight rows, chunks of R: k = 10 2 x 4 58.6, 2 x 5 51-52, 2 x 6
-// 53-55 us against 48-49.5; k = 16 88-91 against 75.5-77.7.
+// 53-55 us against 48-49.5; k = 16 88-91 against 75.5-77.7. The one that pays: two weight rows against all k rows in
+// one sweep (each weight row decoded once, x loaded once for both, the 2k accumulators spilled; the harness's `2xk`),
+// k = 4 / 10 / 16 22.9-23.6 / 46.2-49.2 / 75.9-78.4 us against 24.9-25.0 / 53.0-54.4 / 82.6-89.5, bits unchanged:
+// 6-13% less, not yet in rows() (on Zen 4 the 2 x R tiles lost, above and below: it would want a per-host choice).
 // AMX again, with every unit's operands in the tiles' own order (no transposes): per 16 weight rows and block of 32, B
 // = the 16 rows' 32 nibbles split into bytes (8 x 64, from a copy of the weights laid out for it), A = the int8 x of
 // the block (R rows of the plain quantized row, stride K), TDPBSUD into C, C stored; the fp32 step on vectors over the

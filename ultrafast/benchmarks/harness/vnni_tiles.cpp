@@ -2,7 +2,8 @@
 // random Q4_K matrix repacked as the engine repacks it (QT_Q4_K_R2), int8 activations. Built and run by
 // `python -m ultrafast.benchmarks.kernel_harness`; no part of the engine. Microseconds per call, best of `reps`:
 //   tiles  N K k reps   the engine's schedule against forced tiles (1 x 16; 2 x 4, 2 x 5, 2 x 6: each x vector loaded
-//                       once for two weight rows), each output's bits compared with the engine's
+//                       once for two weight rows, chunks of activation rows; 2 x k: all rows in one sweep, the
+//                       accumulators spilled), each output's bits compared with the engine's
 //   amx    N K k reps   an AMX prototype (below) against the engine's kernel, bits compared
 //   mix    reps         G vpdpbusd/s of the kernels' instruction mix: on register operands (vnni_paired_chains), the
 //                       one-row tile's pattern with its operands from L1 and no weight decode, bare vpdpbusd
@@ -66,6 +67,44 @@ int64_t mismatches(const std::vector<float>& a, const std::vector<float>& b) {
   return n;
 }
 
+// Two weight rows against all k activation rows in one sweep: each x vector loaded once for both rows (the one-row
+// tile loads it per vpdpbusd), the 2k accumulators left to the compiler (they spill past 32 registers). The same
+// per-output operations as the engine's KQ4K2 kernel: the integer products, t = d * s, fma, then the mins' fnmadd.
+template <int R>
+__attribute__((noinline)) void two_rows_all(const uint8_t* w, int64_t rb, int64_t K, const uint8_t* xg, int64_t ldx,
+                                            float* y, int64_t N) {
+  using X = XGN<8, true>;
+  for (int64_t n = 0; n < N; n += 2) {
+    __m512 acc[2][R];
+    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / 512; ++b) {
+      const uint8_t* p[2] = {w + n * rb + b * 288, w + (n + 1) * rb + b * 288};
+      const KQ4K2::Ctx c[2] = {KQ4K2::context(p[0], 16), KQ4K2::context(p[1], 16)};
+      __m512i W[2][8];
+      __m512 d[2], m[2];
+      for (int i = 0; i < 2; ++i) KQ4K2::decode(p[i], 0, c[i], W[i], d[i], m[i]);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const X* xr = reinterpret_cast<const X*>(xg + r * ldx) + b;
+        __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; ++v) {
+          __m512i xv = _mm512_load_si512(&xr->xh[v]);
+          __asm__("" : "+v"(xv));  // one load for both rows
+          a0 = _mm512_dpbusd_epi32(a0, W[0][v], xv);
+          a1 = _mm512_dpbusd_epi32(a1, W[1][v], xv);
+        }
+        __m512 s = xr->s;
+        __asm__("" : "+v"(s));
+        acc[0][r] = _mm512_fnmadd_ps(c[0].m, xr->xsf, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(d[0], s), acc[0][r]));
+        acc[1][r] = _mm512_fnmadd_ps(c[1].m, xr->xsf, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(d[1], s), acc[1][r]));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 2; ++i) y[r * N + n + i] = _mm512_reduce_add_ps(acc[i][r]);
+  }
+}
+
 int tiles(int64_t N, int64_t K, int64_t k, int reps) {
   Problem P(N, K, k);
   std::vector<float> ref(N * k), y(N * k);
@@ -82,6 +121,9 @@ int tiles(int64_t N, int64_t K, int64_t k, int reps) {
     row("2x4", [&] { schedule<KQ4K2, 2, 4, true>(P.xg, P.ldx, k, K, P.w, P.rb, y.data(), N, 0, N, true, rows_per_chunk(k, 4)); });
     row("2x5", [&] { schedule<KQ4K2, 2, 5, true>(P.xg, P.ldx, k, K, P.w, P.rb, y.data(), N, 0, N, true, rows_per_chunk(k, 5)); });
     row("2x6", [&] { schedule<KQ4K2, 2, 6, true>(P.xg, P.ldx, k, K, P.w, P.rb, y.data(), N, 0, N, true, rows_per_chunk(k, 6)); });
+    row("2xk", [&] {
+      with_rows<1, 16>(k, [&](auto R) { two_rows_all<decltype(R)::value>(P.w, P.rb, K, P.xg, P.ldx, y.data(), N); });
+    });
   }
   return 0;
 }
