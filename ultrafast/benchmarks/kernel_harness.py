@@ -11,7 +11,8 @@ microseconds per call, best of --reps (the matrix stays in L2):
 - `tiles`: the engine's schedule against forced tiles (1 x 16; 2 x 4, 2 x 5, 2 x 6, which load each x vector once for
   two weight rows, chunks of activation rows; 2 x k, all of them in one sweep with the accumulators spilled);
 - `amx`: an AMX prototype (tile multiplies per 16 weight rows and block of 32, the fp32 step on vectors over weight
-  rows; see the source) with its scales computed per call and precomputed, and without its tile instructions;
+  rows; see the source) with its scales computed per call and precomputed, and without its tile instructions; then
+  a unit's tile instructions alone and its tile store alone, in ns;
 - `mix`: G vpdpbusd/s of the kernels' instruction mix on register operands, of the one-row tile's pattern with its
   operands from L1 and no weight decode, and of bare vpdpbusd.
 It needs AVX-512 VNNI (and for `amx`, AMX tiles: elsewhere it says so and measures nothing).
@@ -26,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..kernels import _home
+from ..pull import home_dir
 
 SOURCE = Path(__file__).with_name("harness") / "vnni_tiles.cpp"
 KERNEL = Path(__file__).parents[1] / "kernels" / "qmatmul_vnni.cpp"
@@ -49,7 +50,7 @@ def build() -> Path:
     for p in (SOURCE, KERNEL, *sorted(KERNEL.parent.glob("*.h"))):
         h.update(p.read_bytes())
     h.update(" ".join(FLAGS).encode())
-    out = _home() / "harness" / f"vnni_tiles_{h.hexdigest()[:12]}"
+    out = home_dir().expanduser() / "harness" / f"vnni_tiles_{h.hexdigest()[:12]}"
     if not out.exists():
         gxx = shutil.which("g++")
         if gxx is None:

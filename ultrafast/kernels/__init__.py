@@ -265,7 +265,7 @@ class MultiplyPeak:
     # vpdpbusd slots one 64-byte load from L1 takes beside them (a vpdpbusd's x operand from memory, as the one-row
     # tile reads it: one load a vpdpbusd): 0.35-0.48 on the Intel Xeon, ~0 where loads do not bind. The arithmetic
     # ceilings above take register operands, so where this is large the kernels' loads hold them further below it
-    load_cost: float = 0.0
+    load_cost: float
 
     def arithmetic_macs_per_s(self, act_bits: int, paired_share: float = 0.0) -> float:
         """Multiply-adds per second at the kernels' arithmetic for a model whose `paired_share` of multiply-adds run

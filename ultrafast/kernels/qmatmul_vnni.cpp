@@ -656,9 +656,10 @@ constexpr int R2_MAX = 16;
 // Without the tile instructions 8.9 / 12.6 / 21.0 / 31.4. The harness's `amx` (the same design, its scales transposed
 // by scalar moves) an hour later: precomputed 27.9 / 29.6 / 43.3 / 58.1 against 12.7 / 24.9 / 54.4 / 85.2, per call
 // 39.8 / 41.5 / 55.4 / 71.8, without tiles 11.3 / 15.1 / 23.6 / 33.7. The tiles add ~18 us at k = 10 (~40 cycles a
-// unit) and do not overlap the vector work. A bare loop of one unit's tile instructions takes ~31 cycles a unit; a
-// TILESTORED ~16 cycles whatever its rows (1, 10, 16), one per block of 32 since each block has its own scales. So the
-// tiles hold the Q4_K products near 1.3x at k = 10 under these numerics.
+// unit) and do not overlap the vector work. A bare loop of one unit's tile instructions (the harness's last line) takes
+// 9.7 / 10.0 / 19.7 ns a unit at k = 1 / 10 / 16 (~33 cycles at the ~3.4 GHz that bare vpdpbusd at two a cycle
+// implies); a TILESTORED 4.6-4.7 ns (~16 cycles) whatever its rows, one per block of 32 since each block has its own
+// scales. So the tiles hold the Q4_K products near 1.3x at k = 10 under these numerics.
 // Tried on a Zen 4 (AMD EPYC, 32 KB L1), 2026-12-07: a 1-thread harness over this unit (repacked Q4_K and Q6_K, 512 x
 // 1536, int8, L2-resident; variants alternated three times, best of each; runs spread ~15%), every output's bits
 // unchanged, none faster: the 2 x R tile by weight vector (above) at Q4_K k = 10, 61 us (R = 8) and 75 (R = 10)

@@ -106,6 +106,10 @@ __attribute__((noinline)) void two_rows_all(const uint8_t* w, int64_t rb, int64_
 }
 
 int tiles(int64_t N, int64_t K, int64_t k, int reps) {
+  if (N < 2 || N % 2 || K % 512 || k < 1 || k > 16) {
+    std::fprintf(stderr, "tiles: N even, K a multiple of 512, k in 1..16\n");
+    return 2;
+  }
   Problem P(N, K, k);
   std::vector<float> ref(N * k), y(N * k);
   P.engine(ref.data());
@@ -339,6 +343,21 @@ int amx(int64_t N, int64_t K, int64_t k, int reps) {
     std::printf("  bits %s\n", mismatches(ref, y) ? "DIFFER" : "same");
     std::printf("  without tiles N=%ld K=%ld k=%ld %8.1f us\n", (long)N, (long)K, (long)k, best_us(reps, [&] { run(true, false); }));
   }
+  // The tile instructions alone, from fixed L1 buffers: one unit's (two sets in turn, as above), and its store alone.
+  const int64_t units = 200000;
+  alignas(64) static uint8_t b[2][512];
+  alignas(64) static int32_t c[2][16][16];
+  const double all = best_us(reps, [&] {
+    for (int64_t i = 0; i < units; i += 2) {
+      _tile_loadd(2, b[0], 64); _tile_loadd(1, xq.data(), K); _tile_zero(0); _tile_dpbsud(0, 1, 2); _tile_stored(0, c[0], 64);
+      _tile_loadd(5, b[1], 64); _tile_loadd(4, xq.data() + 32, K); _tile_zero(3); _tile_dpbsud(3, 4, 5); _tile_stored(3, c[1], 64);
+    }
+  });
+  const double stores = best_us(reps, [&] {
+    for (int64_t i = 0; i < units; i += 2) { _tile_stored(0, c[0], 64); _tile_stored(3, c[1], 64); }
+  });
+  std::printf("a unit's tile instructions alone %.2f ns, its TILESTORED alone %.2f ns (k=%ld rows)\n", all * 1e3 / units,
+              stores * 1e3 / units, (long)k);
   _tile_release();
   return 0;
 }
