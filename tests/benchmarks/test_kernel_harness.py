@@ -16,8 +16,9 @@ def test_bad_input_is_one_error_line(capsys):
     assert kernel_harness.main(["tiles", "--ks", "17"]) == 2
     assert kernel_harness.main(["amx", "--rows", "40"]) == 2
     assert kernel_harness.main(["amx", "--cols", "1000"]) == 2
+    assert kernel_harness.main(["lanes", "--rows", "24"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 4 and all(line.startswith("error: ") for line in err)
+    assert len(err) == 5 and all(line.startswith("error: ") for line in err)
 
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX-512 VNNI and g++")
@@ -30,6 +31,9 @@ def test_variants_keep_the_engines_bits(capsys):
     assert "DIFFER" not in out
     if "no AMX" not in out:  # where the tiles run, both of the prototype's variants at every k, both rounds
         assert out.count("bits same") == 3 * 2 * 2
+    assert kernel_harness.main(["lanes", "--rows", "64", "--cols", "1024", "--ks", "1,7,16", "--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bits same") == 3 * 2 and "DIFFER" not in out and out.count("without both") == 3 * 2
 
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX-512 VNNI and g++")

@@ -2,7 +2,7 @@
 product's time goes, and what other tiles or the AMX tile multiplies would give, every variant's bits compared with
 the engine's.
 
-    python -m ultrafast.benchmarks.kernel_harness tiles|amx|mix [--rows 512] [--cols 1536] [--ks 1,4,10,16] [--reps 200]
+    python -m ultrafast.benchmarks.kernel_harness tiles|amx|lanes|mix [--rows 512] [--cols 1536] [--ks 1,4,10,16] [--reps 200]
 
 `harness/vnni_tiles.cpp` includes `ultrafast/kernels/qmatmul_vnni.cpp` whole (the code the engine runs) and is built
 here with g++ (the kernels' flags, the AVX-512 instructions enabled for the harness's own loops) into
@@ -13,6 +13,9 @@ microseconds per call, best of --reps (the matrix stays in L2):
 - `amx`: an AMX prototype (tile multiplies per 16 weight rows and block of 32, the fp32 step on vectors over weight
   rows; see the source) with its scales computed per call and precomputed, and without its tile instructions; then
   a unit's tile instructions alone and its tile store alone, in ns;
+- `lanes`: the same products by vpdpbusd over the AMX prototype's layout (int32 lanes = 16 weight rows, each x dword a
+  broadcast, one decode for all activation rows), then the same loop without its weight decode, without its fp32 step
+  and without both: where a k-row product's time goes;
 - `mix`: G vpdpbusd/s of the kernels' instruction mix on register operands, of the one-row tile's pattern with its
   operands from L1 and no weight decode, and of bare vpdpbusd.
 It needs AVX-512 VNNI (and for `amx`, AMX tiles: elsewhere it says so and measures nothing).
@@ -75,7 +78,7 @@ def parse_ks(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ultrafast.benchmarks.kernel_harness", description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["tiles", "amx", "mix"])
+    ap.add_argument("what", choices=["tiles", "amx", "lanes", "mix"])
     ap.add_argument("--rows", type=int, default=512, help="weight rows (a multiple of 16)")
     ap.add_argument("--cols", type=int, default=1536, help="values per row (a multiple of 512)")
     ap.add_argument("--ks", default="1,4,10,16", help="activation rows per product, comma-separated, 1..16")

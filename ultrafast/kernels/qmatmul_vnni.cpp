@@ -660,6 +660,16 @@ constexpr int R2_MAX = 16;
 // 9.7 / 10.0 / 19.7 ns a unit at k = 1 / 10 / 16 (~33 cycles at the ~3.4 GHz that bare vpdpbusd at two a cycle
 // implies); a TILESTORED 4.6-4.7 ns (~16 cycles) whatever its rows, one per block of 32 since each block has its own
 // scales. So the tiles hold the Q4_K products near 1.3x at k = 10 under these numerics.
+// The same products by vpdpbusd over the AMX prototype's layout, 2026-12-08 (the harness's `lanes`: int32 lanes = 16
+// weight rows, each x dword a broadcast, one decode for all activation rows; bits identical at k = 1..16): k = 1 / 4 /
+// 10 / 16 12.6 / 24.5 / 49.5 / 79.6 us against the engine's 12.3 / 25.0 / 54.5 / 85.0, 9% less at k = 10 (as the 2 x k
+// sweep: x reuse buys ~10% here). Its ablations at k = 10: without the weight decode 42.4-43.2, without the fp32 step
+// 35.0-35.2, without both 30.2-30.4 us (80 vpdpbusd and their x broadcasts a unit and activation row at 4.0 G/s, 62% of
+// bare vpdpbusd; the same with the broadcasts folded into vpdpbusd as {1to16}, or the rows' chains interleaved: no
+// faster). So at k = 10 the fp32 step (4 ops a unit and activation row: t = d * s, convert, fma, fnmadd, fixed by the
+// bits every output must keep) takes ~30% of the time and the decode ~12%; with both free the vpdpbusd would still run
+// at 62% of their bare rate. Under these numerics no VNNI schedule here reaches the ~1.3x per row the ultrafast tier's
+// n = 10 goal asks (README, HumanEval); the AMX tiles (1.26-1.47x at k = 10..16, Q4_K only) are the one route measured.
 // Tried on a Zen 4 (AMD EPYC, 32 KB L1), 2026-12-07: a 1-thread harness over this unit (repacked Q4_K and Q6_K, 512 x
 // 1536, int8, L2-resident; variants alternated three times, best of each; runs spread ~15%), every output's bits
 // unchanged, none faster: the 2 x R tile by weight vector (above) at Q4_K k = 10, 61 us (R = 8) and 75 (R = 10)

@@ -5,6 +5,9 @@
 //                       once for two weight rows, chunks of activation rows; 2 x k: all rows in one sweep, the
 //                       accumulators spilled), each output's bits compared with the engine's
 //   amx    N K k reps   an AMX prototype (below) against the engine's kernel, bits compared
+//   lanes  N K k reps   the same products by vpdpbusd over the AMX prototype's layout (int32 lanes = 16 weight rows,
+//                       x as 4-byte broadcasts), bits compared, and the same loop without its weight decode, without
+//                       its fp32 step, and without both (where the time of a k-row product goes)
 //   mix    reps         G vpdpbusd/s of the kernels' instruction mix: on register operands (vnni_paired_chains), the
 //                       one-row tile's pattern with its operands from L1 and no weight decode, bare vpdpbusd
 #include "../../kernels/qmatmul_vnni.cpp"
@@ -291,6 +294,122 @@ __attribute__((noinline)) void amx_rows(const uint8_t* r2, int64_t rb, const uin
 
 }  // namespace
 
+// The plain int8 x of each activation row as the engine's prep quantizes it (quant32), with each block's s_b and
+// s_b * xsum_b: what the AMX prototype's A tiles and the lanes kernel read.
+struct PlainX {
+  std::vector<int8_t> q;
+  std::vector<float> s, sf;
+  explicit PlainX(const Problem& P) : q(P.K * 16), s(16 * P.K / 32), sf(16 * P.K / 32) {
+    const int64_t NB = P.K / 32;
+    for (int64_t r = 0; r < P.k; ++r)
+      for (int64_t b = 0; b < NB; ++b) {
+        int16_t v[32];
+        int32_t sum;
+        const float sb = quant32<true>(P.x.data() + r * P.K + 32 * b, v, &sum);
+        for (int i = 0; i < 32; ++i) q[r * P.K + 32 * b + i] = (int8_t)v[i];
+        s[r * NB + b] = sb;
+        sf[r * NB + b] = sb * (float)sum;
+      }
+  }
+};
+
+// The Q4_K products by vpdpbusd over amx_layout's units (16 weight rows x one block of 32): the unit's 8 weight vectors
+// hold in int32 lane n four values of weight row n, so each x dword (4 values of one activation row) goes to the
+// multiplier as a broadcast and one decode feeds all R activation rows; per activation row and unit 8 vpdpbusd, then
+// the fp32 step of the engine's lane (t = (d * sc) * s, fma, fnmadd) on vectors over the 16 weight rows, each block
+// position's groups in turn (its R accumulators in registers), the final sum _mm512_reduce_add_ps's tree on vectors
+// over weight rows: every output the engine's operations, so the same bits. ABLATE (to time the parts; bits not kept):
+// bit 0 leaves the weight decode out (constant weight vectors), bit 1 the fp32 step (the integer sums xor-ed into the
+// accumulators).
+template <int R, int ABLATE>
+__attribute__((noinline)) void lanes_rows(const uint8_t* wa, const float* pre, int64_t N, int64_t K, const int8_t* xq,
+                                          const float* xs, const float* xsf, float* y) {
+  const int64_t NG = K / 512, NB = K / 32;
+  alignas(64) float accbuf[16][R][16];
+  for (int64_t t = 0; t < N / 16; ++t) {
+    const float* sc = pre + t * NG * 16 * 32;
+    const uint8_t* wt = wa + t * NG * 16 * 256;
+    for (int l = 0; l < 16; ++l) {
+      __m512 a[R];
+      for (auto& v : a) v = _mm512_setzero_ps();
+      for (int64_t G = 0; G < NG; ++G) {
+        __m512i W[8];
+        if constexpr (ABLATE & 1) {
+          for (int v = 0; v < 8; ++v) {
+            W[v] = _mm512_set1_epi8((char)(v + G));
+            __asm__("" : "+v"(W[v]));
+          }
+        } else {
+          split_nibble_chunks(wt + (G * 16 + l) * 256, W);
+        }
+        const int64_t xo = 512 * G + 32 * l, xb = xo / 32;
+        const __m512 dv = _mm512_loadu_ps(sc + (G * 16 + l) * 32), mv = _mm512_loadu_ps(sc + (G * 16 + l) * 32 + 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + r * K + xo;
+          __m512i c = _mm512_setzero_si512();
+#pragma GCC unroll 8
+          for (int v = 0; v < 8; ++v) {
+            int32_t xv;
+            __builtin_memcpy(&xv, xr + 4 * v, 4);
+            c = _mm512_dpbusd_epi32(c, W[v], _mm512_set1_epi32(xv));
+          }
+          if constexpr (ABLATE & 2) {
+            a[r] = _mm512_castsi512_ps(_mm512_xor_si512(c, _mm512_castps_si512(a[r])));
+          } else {
+            const __m512 tt = _mm512_mul_ps(dv, _mm512_set1_ps(xs[r * NB + xb]));
+            a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), tt, a[r]);
+            a[r] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(xsf[r * NB + xb]), a[r]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) _mm512_store_ps(accbuf[l][r], a[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 U[8], V[4];
+      for (int i = 0; i < 8; ++i) U[i] = _mm512_add_ps(_mm512_load_ps(accbuf[8 + i][r]), _mm512_load_ps(accbuf[i][r]));
+      for (int i = 0; i < 4; ++i) V[i] = _mm512_add_ps(U[4 + i], U[i]);
+      _mm512_storeu_ps(y + r * N + 16 * t, _mm512_add_ps(_mm512_add_ps(V[0], V[2]), _mm512_add_ps(V[1], V[3])));
+    }
+  }
+}
+
+int lanes(int64_t N, int64_t K, int64_t k, int reps) {
+  if (N % 16 || K % 512 || k < 1 || k > 16) {
+    std::fprintf(stderr, "lanes: N a multiple of 16, K of 512, k in 1..16\n");
+    return 2;
+  }
+  Problem P(N, K, k);
+  const std::vector<uint8_t> wa = amx_layout(P.w, P.rb, N, K);
+  const int64_t NG = K / 512;
+  std::vector<float> pre(N / 16 * NG * 16 * 32);
+  for (int64_t t = 0; t < N / 16; ++t)
+    for (int64_t G = 0; G < NG; ++G) amx_scales(P.w, P.rb, t, G, pre.data() + (t * NG + G) * 16 * 32);
+  const PlainX X(P);
+  std::vector<float> ref(N * k), y(N * k);
+  P.engine(ref.data());
+  auto run = [&](auto ablate) {
+    with_rows<1, 16>(k, [&](auto Rc) {
+      lanes_rows<decltype(Rc)::value, decltype(ablate)::value>(wa.data(), pre.data(), N, K, X.q.data(), X.s.data(),
+                                                                X.sf.data(), y.data());
+    });
+  };
+  for (int round = 0; round < 2; ++round) {
+    std::printf("engine                   N=%ld K=%ld k=%ld %8.1f us\n", (long)N, (long)K, (long)k,
+                best_us(reps, [&] { P.engine(y.data()); }));
+    std::printf("lanes                    N=%ld K=%ld k=%ld %8.1f us", (long)N, (long)K, (long)k,
+                best_us(reps, [&] { run(Rows<0>{}); }));
+    std::printf("  bits %s\n", mismatches(ref, y) ? "DIFFER" : "same");
+    std::printf("  without decode         N=%ld K=%ld k=%ld %8.1f us\n", (long)N, (long)K, (long)k,
+                best_us(reps, [&] { run(Rows<1>{}); }));
+    std::printf("  without fp32 step      N=%ld K=%ld k=%ld %8.1f us\n", (long)N, (long)K, (long)k,
+                best_us(reps, [&] { run(Rows<2>{}); }));
+    std::printf("  without both           N=%ld K=%ld k=%ld %8.1f us\n", (long)N, (long)K, (long)k,
+                best_us(reps, [&] { run(Rows<3>{}); }));
+  }
+  return 0;
+}
+
 int amx(int64_t N, int64_t K, int64_t k, int reps) {
   if (N % 16 || K % 512 || k < 1 || k > 16) {
     std::fprintf(stderr, "amx: N a multiple of 16, K of 512, k in 1..16\n");
@@ -302,21 +421,13 @@ int amx(int64_t N, int64_t K, int64_t k, int reps) {
   }
   Problem P(N, K, k);
   const std::vector<uint8_t> wa = amx_layout(P.w, P.rb, N, K);
-  const int64_t NB = K / 32, NG = K / 512;
+  const int64_t NG = K / 512;
   std::vector<float> pre(N / 16 * NG * 16 * 32);
   for (int64_t t = 0; t < N / 16; ++t)
     for (int64_t G = 0; G < NG; ++G) amx_scales(P.w, P.rb, t, G, pre.data() + (t * NG + G) * 16 * 32);
-  std::vector<int8_t> xq(K * 16);  // the plain int8 x of each row, as the engine's prep quantizes it
-  std::vector<float> xs(16 * NB), xsf(16 * NB);
-  for (int64_t r = 0; r < k; ++r)
-    for (int64_t b = 0; b < NB; ++b) {
-      int16_t q[32];
-      int32_t sum;
-      const float s = quant32<true>(P.x.data() + r * K + 32 * b, q, &sum);
-      for (int i = 0; i < 32; ++i) xq[r * K + 32 * b + i] = (int8_t)q[i];
-      xs[r * NB + b] = s;
-      xsf[r * NB + b] = s * (float)sum;
-    }
+  const PlainX X(P);
+  const int8_t* xq = X.q.data();
+  const float *xs = X.s.data(), *xsf = X.sf.data();
   TileConfig cfg{};
   cfg.palette = 1;
   for (int s = 0; s < 2; ++s) {
@@ -330,9 +441,9 @@ int amx(int64_t N, int64_t K, int64_t k, int reps) {
   auto run = [&](bool pre_scales, bool tiles) {
     with_rows<1, 16>(k, [&](auto Rc) {
       constexpr int R = decltype(Rc)::value;
-      if (pre_scales && tiles) amx_rows<R, true, true>(P.w, P.rb, wa.data(), pre.data(), N, K, xq.data(), xs.data(), xsf.data(), y.data());
-      else if (pre_scales) amx_rows<R, true, false>(P.w, P.rb, wa.data(), pre.data(), N, K, xq.data(), xs.data(), xsf.data(), y.data());
-      else amx_rows<R, false, true>(P.w, P.rb, wa.data(), pre.data(), N, K, xq.data(), xs.data(), xsf.data(), y.data());
+      if (pre_scales && tiles) amx_rows<R, true, true>(P.w, P.rb, wa.data(), pre.data(), N, K, xq, xs, xsf, y.data());
+      else if (pre_scales) amx_rows<R, true, false>(P.w, P.rb, wa.data(), pre.data(), N, K, xq, xs, xsf, y.data());
+      else amx_rows<R, false, true>(P.w, P.rb, wa.data(), pre.data(), N, K, xq, xs, xsf, y.data());
     });
   };
   for (int round = 0; round < 2; ++round) {
@@ -349,8 +460,8 @@ int amx(int64_t N, int64_t K, int64_t k, int reps) {
   alignas(64) static int32_t c[2][16][16];
   const double all = best_us(reps, [&] {
     for (int64_t i = 0; i < units; i += 2) {
-      _tile_loadd(2, b[0], 64); _tile_loadd(1, xq.data(), K); _tile_zero(0); _tile_dpbsud(0, 1, 2); _tile_stored(0, c[0], 64);
-      _tile_loadd(5, b[1], 64); _tile_loadd(4, xq.data() + 32, K); _tile_zero(3); _tile_dpbsud(3, 4, 5); _tile_stored(3, c[1], 64);
+      _tile_loadd(2, b[0], 64); _tile_loadd(1, xq, K); _tile_zero(0); _tile_dpbsud(0, 1, 2); _tile_stored(0, c[0], 64);
+      _tile_loadd(5, b[1], 64); _tile_loadd(4, xq + 32, K); _tile_zero(3); _tile_dpbsud(3, 4, 5); _tile_stored(3, c[1], 64);
     }
   });
   const double stores = best_us(reps, [&] {
@@ -367,7 +478,8 @@ int main(int argc, char** argv) {
   const std::string cmd = argc > 1 ? argv[1] : "";
   if (cmd == "tiles" && argc == 6) return tiles(atoll(argv[2]), atoll(argv[3]), atoll(argv[4]), atoi(argv[5]));
   if (cmd == "amx" && argc == 6) return amx(atoll(argv[2]), atoll(argv[3]), atoll(argv[4]), atoi(argv[5]));
+  if (cmd == "lanes" && argc == 6) return lanes(atoll(argv[2]), atoll(argv[3]), atoll(argv[4]), atoi(argv[5]));
   if (cmd == "mix" && argc == 3) return mix(atoi(argv[2]));
-  std::fprintf(stderr, "usage: %s tiles|amx N K k reps | mix reps\n", argv[0]);
+  std::fprintf(stderr, "usage: %s tiles|amx|lanes N K k reps | mix reps\n", argv[0]);
   return 2;
 }
