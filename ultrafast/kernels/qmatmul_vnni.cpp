@@ -670,6 +670,10 @@ constexpr int R2_MAX = 16;
 // bits every output must keep) takes ~30% of the time and the decode ~12%; with both free the vpdpbusd would still run
 // at 62% of their bare rate. Under these numerics no VNNI schedule here reaches the ~1.3x per row the ultrafast tier's
 // n = 10 goal asks (README, HumanEval); the AMX tiles (1.26-1.47x at k = 10..16, Q4_K only) are the one route measured.
+// With the gate's shape from memory (8960 x 1536, 1 thread; `kernel_harness lanes|tiles|amx --rows 8960 --reps 20`)
+// the harness's variants, which issue no software prefetch, keep less: lanes 956-971 against 964-991 us at k = 10,
+// 1499-1508 against 1550-1554 at k = 16 (0-3%); 2 x k 925-936 against 953-985 and 1461-1499 against 1464-1552 (0-6%);
+// AMX with its scales precomputed 874-885 against 1036 at k = 10 (1.18x), 1.33x at k = 16.
 // Tried on a Zen 4 (AMD EPYC, 32 KB L1), 2026-12-07: a 1-thread harness over this unit (repacked Q4_K and Q6_K, 512 x
 // 1536, int8, L2-resident; variants alternated three times, best of each; runs spread ~15%), every output's bits
 // unchanged, none faster: the 2 x R tile by weight vector (above) at Q4_K k = 10, 61 us (R = 8) and 75 (R = 10)
