@@ -44,3 +44,23 @@ def drafters_line(by_drafter: dict[str, dict[str, int]]) -> str:
         f"{k} {d['accepted']}/{d['drafted']} drafts accepted"
         + (f" ({d['accepted'] / d['drafted']:.0%})" if d["drafted"] else "") + f" in {d['passes']} passes"
         for k, d in by_drafter.items())
+
+
+def figures_verb(compute, table, json_path: str | None) -> int:
+    """A figures verb's run: `compute()` (its figures, a dict), then `table(figures)` on stdout and the figures as JSON
+    at `json_path` (when given); exit code 0, or one `error:` line and 2 for bad input or a model it cannot load."""
+    import json
+    import sys
+
+    from ..pull import PullError
+
+    try:
+        figures = compute()
+    except (ValueError, FileNotFoundError, PullError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table(figures))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(figures, f, indent=1)
+    return 0

@@ -18,11 +18,11 @@ On the 1.5B a ten-candidate pass is bound by its multiplies, so its wall-clock i
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 
 import torch
+
+from . import figures_verb
 
 
 def rows_per_sequence(rows: int, seqs: int) -> list[int]:
@@ -118,8 +118,6 @@ def format_table(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from ..pull import PullError
-
     ap = argparse.ArgumentParser(prog="python -m ultrafast.benchmarks.batch_pass", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--seqs", type=int, default=10, help="sequences in the pass (a request's candidates)")
@@ -132,18 +130,9 @@ def main(argv=None) -> int:
                     help="the quantized linears' activations: 16 (default) or 8 (llama.cpp's)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
-    try:
-        rows = parse_rows(args.rows, args.seqs)
-        r = run(args.model, args.seqs, rows, args.prompt_tokens, args.own_tokens, args.reps, args.threads,
-                args.activation_bits)
-    except (ValueError, FileNotFoundError, PullError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_table(r))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1)
-    return 0
+    return figures_verb(lambda: run(args.model, args.seqs, parse_rows(args.rows, args.seqs), args.prompt_tokens,
+                                    args.own_tokens, args.reps, args.threads, args.activation_bits),
+                        format_table, args.json)
 
 
 if __name__ == "__main__":

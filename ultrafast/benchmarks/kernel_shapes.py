@@ -20,14 +20,13 @@ with the layout's in the same process: the layouts' gain, free of the minute-to-
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 
 import torch
 
 from .. import kernels
 from ..packed import PackedLinear
+from . import figures_verb
 
 
 def best_per_call(mods: list[PackedLinear], k: int, reps: int, file_layout: bool = False) -> list[float]:
@@ -115,8 +114,6 @@ def format_table(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from ..pull import PullError
-
     ap = argparse.ArgumentParser(prog="python -m ultrafast.benchmarks.kernel_shapes")
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--ks", default="1,2,4,8,16", help="rows per product, comma-separated")
@@ -134,16 +131,8 @@ def main(argv=None) -> int:
         ap.error(f"--ks: comma-separated row counts expected, got {args.ks!r}")
     if any(k < 1 for k in ks) or args.reps < 1 or args.threads < 1:
         ap.error("--ks, --reps and --threads must be positive")
-    try:
-        r = run(args.model, ks, args.reps, args.threads, args.activation_bits, args.vs_file_layout)
-    except (ValueError, FileNotFoundError, PullError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_table(r))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1)
-    return 0
+    return figures_verb(lambda: run(args.model, ks, args.reps, args.threads, args.activation_bits, args.vs_file_layout),
+                        format_table, args.json)
 
 
 if __name__ == "__main__":

@@ -313,6 +313,17 @@ struct PlainX {
   }
 };
 
+// The weights laid out for the tiles (amx_layout) and their scales precomputed (amx_scales), for `amx` and `lanes`.
+struct TileWeights {
+  std::vector<uint8_t> wa;
+  std::vector<float> pre;
+  explicit TileWeights(const Problem& P) : wa(amx_layout(P.w, P.rb, P.N, P.K)), pre(P.N / 16 * (P.K / 512) * 16 * 32) {
+    const int64_t NG = P.K / 512;
+    for (int64_t t = 0; t < P.N / 16; ++t)
+      for (int64_t G = 0; G < NG; ++G) amx_scales(P.w, P.rb, t, G, pre.data() + (t * NG + G) * 16 * 32);
+  }
+};
+
 // The Q4_K products by vpdpbusd over amx_layout's units (16 weight rows x one block of 32): the unit's 8 weight vectors
 // hold in int32 lane n four values of weight row n, so each x dword (4 values of one activation row) goes to the
 // multiplier as a broadcast and one decode feeds all R activation rows; per activation row and unit 8 vpdpbusd, then
@@ -380,18 +391,14 @@ int lanes(int64_t N, int64_t K, int64_t k, int reps) {
     return 2;
   }
   Problem P(N, K, k);
-  const std::vector<uint8_t> wa = amx_layout(P.w, P.rb, N, K);
-  const int64_t NG = K / 512;
-  std::vector<float> pre(N / 16 * NG * 16 * 32);
-  for (int64_t t = 0; t < N / 16; ++t)
-    for (int64_t G = 0; G < NG; ++G) amx_scales(P.w, P.rb, t, G, pre.data() + (t * NG + G) * 16 * 32);
+  const TileWeights TW(P);
   const PlainX X(P);
   std::vector<float> ref(N * k), y(N * k);
   P.engine(ref.data());
   auto run = [&](auto ablate) {
     with_rows<1, 16>(k, [&](auto Rc) {
-      lanes_rows<decltype(Rc)::value, decltype(ablate)::value>(wa.data(), pre.data(), N, K, X.q.data(), X.s.data(),
-                                                                X.sf.data(), y.data());
+      lanes_rows<decltype(Rc)::value, decltype(ablate)::value>(TW.wa.data(), TW.pre.data(), N, K, X.q.data(),
+                                                                X.s.data(), X.sf.data(), y.data());
     });
   };
   for (int round = 0; round < 2; ++round) {
@@ -420,11 +427,9 @@ int amx(int64_t N, int64_t K, int64_t k, int reps) {
     return 0;
   }
   Problem P(N, K, k);
-  const std::vector<uint8_t> wa = amx_layout(P.w, P.rb, N, K);
-  const int64_t NG = K / 512;
-  std::vector<float> pre(N / 16 * NG * 16 * 32);
-  for (int64_t t = 0; t < N / 16; ++t)
-    for (int64_t G = 0; G < NG; ++G) amx_scales(P.w, P.rb, t, G, pre.data() + (t * NG + G) * 16 * 32);
+  const TileWeights TW(P);
+  const std::vector<uint8_t>& wa = TW.wa;
+  const std::vector<float>& pre = TW.pre;
   const PlainX X(P);
   const int8_t* xq = X.q.data();
   const float *xs = X.s.data(), *xsf = X.sf.data();
