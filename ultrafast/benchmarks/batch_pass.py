@@ -32,15 +32,13 @@ def rows_per_sequence(rows: int, seqs: int) -> list[int]:
     return [rows // seqs + (i < rows % seqs) for i in range(seqs)]
 
 
-def parse_rows(text: str, seqs: int) -> list[int]:
+def parse_rows(text: str) -> list[int]:
     try:
         rows = sorted({int(t) for t in text.split(",") if t.strip()})
     except ValueError:
         raise ValueError(f"--rows takes comma-separated integers, got {text!r}") from None
     if not rows:
         raise ValueError("--rows is empty")
-    for r in rows:
-        rows_per_sequence(r, seqs)
     return rows
 
 
@@ -64,8 +62,8 @@ def run(model: str, seqs: int, rows: list[int], prompt_tokens: int, own_tokens: 
     engine.forward(ids(prompt_tokens), 0, cache=caches[0])
     for c in caches[1:]:
         c.copy_rows_from(caches[0], 0, prompt_tokens)
-    for c in caches:
-        if own_tokens:
+    if own_tokens:
+        for c in caches:
             engine.forward(ids(own_tokens), prompt_tokens, cache=c)
     pos = prompt_tokens + own_tokens
     share = [None] + [(0, prompt_tokens)] * (seqs - 1)
@@ -130,7 +128,7 @@ def main(argv=None) -> int:
                     help="the quantized linears' activations: 16 (default) or 8 (llama.cpp's)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
-    return figures_verb(lambda: run(args.model, args.seqs, parse_rows(args.rows, args.seqs), args.prompt_tokens,
+    return figures_verb(lambda: run(args.model, args.seqs, parse_rows(args.rows), args.prompt_tokens,
                                     args.own_tokens, args.reps, args.threads, args.activation_bits),
                         format_table, args.json)
 

@@ -2,7 +2,8 @@
 product's time goes, and what other tiles or the AMX tile multiplies would give, every variant's bits compared with
 the engine's.
 
-    python -m ultrafast.benchmarks.kernel_harness tiles|amx|lanes|mix [--rows 512] [--cols 1536] [--ks 1,4,10,16] [--reps 200]
+    python -m ultrafast.benchmarks.kernel_harness tiles|amx|lanes|mix [--rows 512] [--cols 1536] [--ks 1,4,10,16]
+                                                  [--reps 200]
 
 `harness/vnni_tiles.cpp` includes `ultrafast/kernels/qmatmul_vnni.cpp` whole (the code the engine runs) and is built
 here with g++ (the kernels' flags, the AVX-512 instructions enabled for the harness's own loops) into

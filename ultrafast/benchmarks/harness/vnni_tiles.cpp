@@ -294,6 +294,14 @@ __attribute__((noinline)) void amx_rows(const uint8_t* r2, int64_t rb, const uin
 
 }  // namespace
 
+// Whether `amx` and `lanes` take the shape (whole tiles of 16 weight rows, groups of 512, 1..16 activation rows); else
+// one line on stderr.
+bool tile_shape(int64_t N, int64_t K, int64_t k, const char* cmd) {
+  if (N % 16 == 0 && K % 512 == 0 && k >= 1 && k <= 16) return true;
+  std::fprintf(stderr, "%s: N a multiple of 16, K of 512, k in 1..16\n", cmd);
+  return false;
+}
+
 // The plain int8 x of each activation row as the engine's prep quantizes it (quant32), with each block's s_b and
 // s_b * xsum_b: what the AMX prototype's A tiles and the lanes kernel read.
 struct PlainX {
@@ -386,10 +394,7 @@ __attribute__((noinline)) void lanes_rows(const uint8_t* wa, const float* pre, i
 }
 
 int lanes(int64_t N, int64_t K, int64_t k, int reps) {
-  if (N % 16 || K % 512 || k < 1 || k > 16) {
-    std::fprintf(stderr, "lanes: N a multiple of 16, K of 512, k in 1..16\n");
-    return 2;
-  }
+  if (!tile_shape(N, K, k, "lanes")) return 2;
   Problem P(N, K, k);
   const TileWeights TW(P);
   const PlainX X(P);
@@ -418,10 +423,7 @@ int lanes(int64_t N, int64_t K, int64_t k, int reps) {
 }
 
 int amx(int64_t N, int64_t K, int64_t k, int reps) {
-  if (N % 16 || K % 512 || k < 1 || k > 16) {
-    std::fprintf(stderr, "amx: N a multiple of 16, K of 512, k in 1..16\n");
-    return 2;
-  }
+  if (!tile_shape(N, K, k, "amx")) return 2;
   if (!__builtin_cpu_supports("amx-int8") || syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* tile data */)) {
     std::printf("amx: this CPU or kernel offers no AMX tiles\n");
     return 0;
